@@ -1,0 +1,46 @@
+//! amvm's PID 1. Reads like a script: mount what the guest needs, open the channel to the VMM,
+//! read the run spec, run the workload, stream its output, report its exit status, reboot.
+//!
+//! It never exits: PID 1 leaving would panic the kernel. It ends the VM with `reboot(2)`, which
+//! the kernel (booted with `reboot=k`) turns into an i8042 reset that the VMM treats as "done".
+
+mod channel;
+mod mounts;
+mod sys;
+mod workload;
+
+use guest_init::protocol::{RunSpec, SPEC_PATH};
+
+/// Exit status amvm reports when guest-init itself fails.
+const EXIT_INIT_FAILURE: u8 = 125;
+
+fn main() {
+    // Before the channel exists, errors can only go to the kernel console (`amvm run --console`).
+    if let Err(e) = mounts::early() {
+        eprintln!("guest-init: {e}");
+        sys::reboot();
+    }
+    let mut chan = match channel::Channel::open(channel::CHANNEL_TTY) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("guest-init: {e}");
+            sys::reboot();
+        }
+    };
+    let status = match run(&mut chan) {
+        Ok(status) => status,
+        Err(e) => {
+            chan.stderr(format!("amvm: guest-init: {e}\n").as_bytes());
+            EXIT_INIT_FAILURE
+        }
+    };
+    chan.exit(status);
+    sys::reboot();
+}
+
+fn run(chan: &mut channel::Channel) -> Result<u8, String> {
+    let raw = std::fs::read(SPEC_PATH).map_err(|e| format!("reading {SPEC_PATH}: {e}"))?;
+    let spec = RunSpec::decode(&raw).map_err(|e| e.to_string())?;
+    mounts::busybox_applets();
+    workload::run(&spec, chan).map_err(|e| e.to_string())
+}

@@ -1,0 +1,156 @@
+//! Run the workload: spawn it as the spec's user in its own session, relay its stdout and stderr
+//! to the channel as they arrive, and turn its end into one exit status byte.
+//!
+//! Exit status (shell convention): its own code; 128+N if signal N killed it; 127 if the command
+//! was not found; 126 if it could not be executed.
+//! When the workload exits, whatever it left running (background children still holding its
+//! pipes) is killed, so the run ends with the workload as it does in a container.
+
+use crate::channel::Channel;
+use guest_init::protocol::RunSpec;
+use std::ffi::OsStr;
+use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::process::{ChildStderr, ChildStdout, Command, Stdio};
+
+/// How often the relay checks whether the workload has exited while its pipes stay open.
+const REAP_INTERVAL_MS: i32 = 50;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkloadError {
+    #[error("poll: {0}")]
+    Poll(io::Error),
+}
+
+pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
+    let mut cmd = Command::new(OsStr::from_bytes(&spec.argv[0]));
+    cmd.args(spec.argv[1..].iter().map(|a| OsStr::from_bytes(a)));
+    cmd.env_clear();
+    for kv in &spec.env {
+        let (k, v) = match kv.iter().position(|&b| b == b'=') {
+            Some(i) => (&kv[..i], &kv[i + 1..]),
+            None => (&kv[..], &b""[..]),
+        };
+        cmd.env(OsStr::from_bytes(k), OsStr::from_bytes(v));
+    }
+    cmd.current_dir(OsStr::from_bytes(&spec.cwd));
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd.uid(spec.uid).gid(spec.gid);
+    // SAFETY: the closure only calls setsid(2), which is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let name = String::from_utf8_lossy(&spec.argv[0]).into_owned();
+    let mut child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let (status, why) = match e.raw_os_error() {
+                Some(libc::ENOENT) => (127, "command not found".to_string()),
+                Some(libc::EACCES) | Some(libc::ENOEXEC) | Some(libc::EISDIR) => {
+                    (126, format!("cannot execute: {e}"))
+                }
+                _ => (126, format!("cannot start: {e}")),
+            };
+            chan.stderr(format!("amvm: {name}: {why}\n").as_bytes());
+            return Ok(status);
+        }
+    };
+    let pid = child.id() as libc::pid_t;
+    let out = child.stdout.take().expect("piped stdout");
+    let err = child.stderr.take().expect("piped stderr");
+    relay(pid, out, err, chan)
+}
+
+/// Forward output until the workload has exited and both pipes are closed.
+fn relay(
+    pid: libc::pid_t,
+    mut out: ChildStdout,
+    mut err: ChildStderr,
+    chan: &mut Channel,
+) -> Result<u8, WorkloadError> {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut open = [true, true];
+    let mut status: Option<u8> = None;
+    loop {
+        if status.is_none() {
+            status = reap(pid);
+            if status.is_some() {
+                // The workload is gone: end whatever it left behind so its pipes close.
+                // SAFETY: kill(-1, SIGKILL) from PID 1 signals every other process; no memory involved.
+                unsafe { libc::kill(-1, libc::SIGKILL) };
+            }
+        }
+        if !open[0] && !open[1] {
+            if let Some(s) = status {
+                return Ok(s);
+            }
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: if open[0] { out.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if open[1] { err.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, REAP_INTERVAL_MS) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(WorkloadError::Poll(e));
+        }
+        for (i, pfd) in fds.iter().enumerate() {
+            if !open[i] || pfd.revents == 0 {
+                continue;
+            }
+            let r = if i == 0 {
+                out.read(&mut buf)
+            } else {
+                err.read(&mut buf)
+            };
+            match r {
+                Ok(0) | Err(_) => open[i] = false,
+                Ok(n) if i == 0 => chan.stdout(&buf[..n]),
+                Ok(n) => chan.stderr(&buf[..n]),
+            }
+        }
+    }
+}
+
+/// Reap every exited child (PID 1 inherits orphans); return the workload's status once it exits.
+fn reap(pid: libc::pid_t) -> Option<u8> {
+    let mut found = None;
+    loop {
+        let mut wstatus = 0;
+        // SAFETY: waitpid with a valid pointer to an int.
+        let r = unsafe { libc::waitpid(-1, &mut wstatus, libc::WNOHANG) };
+        if r <= 0 {
+            return found;
+        }
+        if r == pid {
+            found = Some(if libc::WIFEXITED(wstatus) {
+                libc::WEXITSTATUS(wstatus) as u8
+            } else if libc::WIFSIGNALED(wstatus) {
+                (128 + libc::WTERMSIG(wstatus)) as u8
+            } else {
+                continue;
+            });
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! The command line, as ../docs/usage.md and the design's user contract state it.
+
+use crate::config::{self, ConfigError, RunConfig};
+use guest_init::protocol::RunSpec;
+use std::ffi::OsString;
+use std::os::unix::ffi::OsStringExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "amvm",
+    version,
+    about = "Run a command in a fresh microVM",
+    disable_help_subcommand = true
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Run COMMAND in a fresh microVM; exit with its status.
+    Run(RunArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Share DIR read-only at /workspace (the default working directory).
+    #[arg(long, value_name = "DIR")]
+    pub workspace: Option<PathBuf>,
+    /// Host unix socket the workload may reach through the egress relay.
+    #[arg(long, value_name = "SOCKET")]
+    pub egress: Option<PathBuf>,
+    /// Read-only system root: `host` projects the host's /usr; DIR is an unpacked rootfs.
+    #[arg(long, value_name = "host|DIR", default_value = "host")]
+    pub system: String,
+    /// Guest kernel (default: the one images/build-kernel builds and caches).
+    #[arg(long, value_name = "PATH")]
+    pub kernel: Option<PathBuf>,
+    /// Guest memory in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 512)]
+    pub mem: u64,
+    /// Number of vCPUs.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub cpus: u8,
+    /// Wall-clock limit for the whole run, in seconds (exit 124 when it expires).
+    #[arg(long, value_name = "SECS")]
+    pub timeout: Option<u64>,
+    /// Set an environment variable for the workload.
+    #[arg(short = 'e', long = "env", value_name = "KEY=VAL")]
+    pub env: Vec<String>,
+    /// Working directory inside the guest.
+    #[arg(short = 'w', long = "workdir", value_name = "DIR")]
+    pub workdir: Option<String>,
+    /// UID[:GID] the workload runs as.
+    #[arg(long, value_name = "UID[:GID]", default_value = "1000:1000")]
+    pub user: String,
+    /// Forward stdin to the workload.
+    #[arg(short = 'i', long)]
+    pub interactive: bool,
+    /// Show the guest's kernel log on stderr.
+    #[arg(long)]
+    pub console: bool,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+impl RunArgs {
+    /// Validate everything that can be checked without touching the host.
+    pub fn into_config(self) -> Result<RunConfig, ConfigError> {
+        if self.workspace.is_some() {
+            return Err(ConfigError::NotYetSupported("--workspace (virtio-fs)"));
+        }
+        if self.egress.is_some() {
+            return Err(ConfigError::NotYetSupported("--egress (virtio-vsock)"));
+        }
+        if self.system != "host" {
+            return Err(ConfigError::NotYetSupported("--system DIR (virtio-fs)"));
+        }
+        if self.interactive {
+            return Err(ConfigError::NotYetSupported("-i (stdin over virtio-vsock)"));
+        }
+        let (uid, gid) = config::parse_user(&self.user)?;
+        let cwd = match self.workdir {
+            Some(w) if w.starts_with('/') => w,
+            Some(w) => return Err(ConfigError::Workdir(w)),
+            None => "/".to_string(),
+        };
+        let timeout = match self.timeout {
+            Some(0) => return Err(ConfigError::Timeout),
+            t => t.map(Duration::from_secs),
+        };
+        Ok(RunConfig {
+            kernel: match self.kernel {
+                Some(k) => k,
+                None => config::default_kernel()?,
+            },
+            mem_mib: config::check_mem(self.mem)?,
+            cpus: config::check_cpus(self.cpus)?,
+            console: self.console,
+            timeout,
+            spec: RunSpec {
+                argv: self
+                    .command
+                    .into_iter()
+                    .map(OsStringExt::into_vec)
+                    .collect(),
+                env: config::workload_env(uid, &self.env)?,
+                cwd: cwd.into_bytes(),
+                uid,
+                gid,
+            },
+            busybox: std::env::var_os("AMVM_BUSYBOX")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(config::DEFAULT_BUSYBOX)),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn parse(args: &[&str]) -> Result<RunConfig, String> {
+        let cli = Cli::try_parse_from(args).map_err(|e| e.kind().to_string())?;
+        let Command::Run(run) = cli.command;
+        run.into_config().map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn command_after_double_dash_keeps_its_flags() {
+        let c = parse(&["amvm", "run", "--cpus", "2", "--", "sh", "-c", "exit 7"]).unwrap();
+        assert_eq!(
+            c.spec.argv,
+            vec![b"sh".to_vec(), b"-c".to_vec(), b"exit 7".to_vec()]
+        );
+        assert_eq!(
+            (c.cpus, c.mem_mib, c.spec.uid, c.spec.gid),
+            (2, 512, 1000, 1000)
+        );
+        let c = parse(&["amvm", "run", "ls", "-l"]).unwrap();
+        assert_eq!(c.spec.argv, vec![b"ls".to_vec(), b"-l".to_vec()]);
+    }
+
+    #[test]
+    fn bad_input_is_refused() {
+        assert!(parse(&["amvm", "run", "--bogus", "--", "true"]).is_err());
+        assert!(parse(&["amvm", "run"]).is_err());
+        assert!(parse(&["amvm", "run", "--cpus", "0", "--", "true"])
+            .unwrap_err()
+            .contains("--cpus 0"));
+        assert!(parse(&["amvm", "run", "--timeout", "0", "--", "true"]).is_err());
+        assert!(parse(&["amvm", "run", "-w", "rel", "--", "true"]).is_err());
+        let e = parse(&["amvm", "run", "--egress", "/x", "--", "true"]).unwrap_err();
+        assert!(e.contains("not supported yet"), "{e}");
+    }
+}

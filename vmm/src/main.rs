@@ -1,0 +1,64 @@
+//! `amvm`: parse the command line, build one config, run one VM, exit with its status.
+//! amvm's own failures exit 125 with one line on stderr; a timeout exits 124.
+
+use amvm::cli::{Cli, Command};
+use amvm::{builder, exit};
+use clap::Parser;
+use std::io::Write;
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "off".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(e),
+    };
+    let Command::Run(args) = cli.command;
+    let code = match args
+        .into_config()
+        .map_err(anyhow::Error::from)
+        .and_then(|cfg| Ok(builder::run(&cfg)?))
+    {
+        Ok(code) => code,
+        Err(e) => {
+            let timeout = matches!(e.downcast_ref(), Some(builder::RunError::Timeout(_)));
+            eprintln!("amvm: {e:#}");
+            if timeout {
+                exit::TIMEOUT
+            } else {
+                exit::AMVM_FAILURE
+            }
+        }
+    };
+    let _ = std::io::stdout().flush();
+    ExitCode::from(code)
+}
+
+/// clap's own help/version go to stdout with 0; any usage error is one line and 125.
+fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            ExitCode::SUCCESS
+        }
+        ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand | ErrorKind::MissingSubcommand => {
+            eprintln!("amvm: missing subcommand (try `amvm run -- COMMAND`, or amvm --help)");
+            ExitCode::from(exit::AMVM_FAILURE)
+        }
+        _ => {
+            let msg = e.to_string();
+            let first = msg.lines().next().unwrap_or("invalid arguments");
+            eprintln!(
+                "amvm: {} (see amvm run --help)",
+                first.trim_start_matches("error: ")
+            );
+            ExitCode::from(exit::AMVM_FAILURE)
+        }
+    }
+}

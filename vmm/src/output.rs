@@ -1,0 +1,167 @@
+//! Where the guest's UART bytes go on the host.
+//!
+//! * COM2 carries guest-init's frames ([`guest_init::protocol`]): [`ChannelSink`] parses them
+//!   (hostile input: a malformed frame ends the channel, never the VMM), writes the workload's
+//!   stdout and stderr to ours, and records its exit status.
+//! * COM1 is the kernel console: [`ConsoleSink`] shows it with `--console` and always keeps
+//!   its tail, so a guest that dies before reporting can be explained.
+
+use guest_init::protocol::{Frame, FrameParser, ProtocolError};
+use std::collections::VecDeque;
+use std::io::{self, Write};
+use std::sync::{Arc, Mutex};
+
+/// How many bytes of console output are kept for error reports.
+const CONSOLE_TAIL_BYTES: usize = 4096;
+
+/// What the guest reported over the channel.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub exit: Option<u8>,
+    pub protocol_error: Option<ProtocolError>,
+}
+
+/// Frames in, stdout/stderr/exit status out.
+#[derive(Debug)]
+pub struct ChannelSink<O: Write, E: Write> {
+    parser: FrameParser,
+    stdout: O,
+    stderr: E,
+    report: Arc<Mutex<Report>>,
+}
+
+impl<O: Write, E: Write> ChannelSink<O, E> {
+    pub fn new(stdout: O, stderr: E, report: Arc<Mutex<Report>>) -> Self {
+        ChannelSink {
+            parser: FrameParser::new(),
+            stdout,
+            stderr,
+            report,
+        }
+    }
+}
+
+impl<O: Write, E: Write> Write for ChannelSink<O, E> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let (stdout, stderr, report) = (&mut self.stdout, &mut self.stderr, &self.report);
+        let fed = self.parser.feed(buf, |frame| {
+            // A reader that went away (EPIPE) must not stop the guest; its bytes are dropped.
+            let _ = match frame {
+                Frame::Stdout(b) => stdout.write_all(&b).and_then(|_| stdout.flush()),
+                Frame::Stderr(b) => stderr.write_all(&b).and_then(|_| stderr.flush()),
+                Frame::Exit(code) => {
+                    lock(report).exit.get_or_insert(code);
+                    Ok(())
+                }
+            };
+        });
+        if let Err(e) = fed {
+            let mut r = lock(report);
+            if r.protocol_error.is_none() {
+                tracing::warn!("guest channel: {e}");
+                r.protocol_error = Some(e);
+            }
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The kernel console: optionally echoed to stderr, its tail always kept.
+#[derive(Debug, Clone)]
+pub struct ConsoleSink {
+    echo: bool,
+    tail: Arc<Mutex<VecDeque<u8>>>,
+}
+
+impl ConsoleSink {
+    pub fn new(echo: bool) -> Self {
+        ConsoleSink {
+            echo,
+            tail: Arc::new(Mutex::new(VecDeque::with_capacity(CONSOLE_TAIL_BYTES))),
+        }
+    }
+
+    /// The last lines the guest kernel printed (at most a few KiB).
+    pub fn tail(&self) -> String {
+        let t = lock(&self.tail);
+        let bytes: Vec<u8> = t.iter().copied().collect();
+        String::from_utf8_lossy(&bytes).replace('\r', "")
+    }
+}
+
+impl Write for ConsoleSink {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if self.echo {
+            let _ = io::stderr().write_all(buf);
+        }
+        let mut t = lock(&self.tail);
+        for &b in buf {
+            if t.len() == CONSOLE_TAIL_BYTES {
+                t.pop_front();
+            }
+            t.push_back(b);
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use guest_init::protocol::{encode_frame, FrameKind};
+
+    #[test]
+    fn frames_split_into_stdout_stderr_and_status() {
+        let report = Arc::new(Mutex::new(Report::default()));
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        {
+            let mut sink = ChannelSink::new(&mut out, &mut err, report.clone());
+            let mut wire = Vec::new();
+            encode_frame(FrameKind::Stdout, b"hello\n", &mut wire);
+            encode_frame(FrameKind::Stderr, b"oops\n", &mut wire);
+            encode_frame(FrameKind::Exit, &[7], &mut wire);
+            encode_frame(FrameKind::Exit, &[9], &mut wire); // a second status is ignored
+            for b in &wire {
+                sink.write_all(std::slice::from_ref(b)).unwrap(); // one byte per UART write
+            }
+        }
+        assert_eq!(
+            (out.as_slice(), err.as_slice()),
+            (&b"hello\n"[..], &b"oops\n"[..])
+        );
+        assert_eq!(report.lock().unwrap().exit, Some(7));
+    }
+
+    #[test]
+    fn garbage_from_the_guest_is_recorded_not_fatal() {
+        let report = Arc::new(Mutex::new(Report::default()));
+        let mut sink = ChannelSink::new(Vec::new(), Vec::new(), report.clone());
+        assert_eq!(sink.write(&[0xee, 1, 2, 3, 4, 5, 6]).unwrap(), 7);
+        assert_eq!(sink.write(&[3, 1, 0, 0, 0, 0]).unwrap(), 6);
+        let r = report.lock().unwrap();
+        assert!(r.protocol_error.is_some());
+        assert_eq!(r.exit, None, "nothing after a framing error is trusted");
+    }
+
+    #[test]
+    fn console_keeps_only_its_tail() {
+        let mut c = ConsoleSink::new(false);
+        c.write_all(&vec![b'a'; CONSOLE_TAIL_BYTES]).unwrap();
+        c.write_all(b"\r\nlast line").unwrap();
+        let t = c.tail();
+        assert_eq!(t.len(), CONSOLE_TAIL_BYTES - 1);
+        assert!(t.ends_with("a\nlast line"));
+    }
+}
