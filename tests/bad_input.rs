@@ -1,1 +1,162 @@
+//! Bad input gets one clear line on stderr, exit 125, and leaves nothing behind.
 
+use amvm_tests::{amvm, require_kvm, Outcome};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+/// One line, prefixed `amvm:`, exit 125, nothing on stdout.
+fn assert_one_line_125(o: &Outcome, needle: &str) {
+    assert_eq!(o.code, 125, "{o:?}");
+    assert!(o.stdout.is_empty(), "{o:?}");
+    assert_eq!(o.stderr.lines().count(), 1, "want one line: {:?}", o.stderr);
+    assert!(o.stderr.starts_with("amvm: "), "{:?}", o.stderr);
+    assert!(
+        o.stderr.contains(needle),
+        "want {needle:?} in {:?}",
+        o.stderr
+    );
+}
+
+/// A private TMPDIR that must still be empty after amvm exits.
+fn scratch() -> tempdir::Dir {
+    tempdir::Dir::new()
+}
+
+mod tempdir {
+    pub struct Dir(pub std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Dir {
+            let p = std::env::temp_dir().join(format!(
+                "amvm-test-{}-{:?}",
+                std::process::id(),
+                std::thread::current().id()
+            ));
+            std::fs::create_dir_all(&p).unwrap();
+            Dir(p)
+        }
+        pub fn assert_empty(&self) {
+            let left: Vec<_> = std::fs::read_dir(&self.0).unwrap().collect();
+            assert!(left.is_empty(), "amvm left files behind: {left:?}");
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[test]
+fn missing_kernel() {
+    require_kvm();
+    let t = scratch();
+    let tmp = t.0.to_str().unwrap();
+    let o = amvm(
+        ["run", "--kernel", "/nonexistent/vmlinux", "--", "true"],
+        &[("TMPDIR", tmp)],
+    );
+    assert_one_line_125(&o, "/nonexistent/vmlinux");
+    t.assert_empty();
+}
+
+#[test]
+fn kernel_that_is_not_an_elf() {
+    require_kvm();
+    let t = scratch();
+    let bogus = t.0.join("not-a-kernel");
+    std::fs::write(&bogus, b"MZ this is not an ELF vmlinux").unwrap();
+    let o = amvm(
+        ["run", "--kernel", bogus.to_str().unwrap(), "--", "true"],
+        &[],
+    );
+    assert_one_line_125(&o, "not a loadable x86_64 ELF vmlinux");
+}
+
+#[test]
+fn missing_kvm_device() {
+    let o = amvm(
+        ["run", "--", "true"],
+        &[("AMVM_KVM_DEVICE", "/nonexistent/kvm")],
+    );
+    assert_one_line_125(&o, "/nonexistent/kvm does not exist");
+}
+
+#[test]
+fn no_permission_on_kvm_device_names_the_kvm_group() {
+    let t = scratch();
+    let dev = t.0.join("kvm");
+    std::fs::write(&dev, b"").unwrap();
+    std::fs::set_permissions(&dev, std::fs::Permissions::from_mode(0o000)).unwrap();
+    let dev = dev.to_str().unwrap().to_string();
+    let is_root = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"));
+    let o = if is_root {
+        // Root bypasses file modes through CAP_DAC_OVERRIDE: drop it (and its read twin) so the
+        // open fails as it does for a user outside the kvm group.
+        let out = std::process::Command::new("setpriv")
+            .args([
+                "--bounding-set",
+                "-dac_override,-dac_read_search",
+                "--inh-caps",
+                "-dac_override,-dac_read_search",
+                "--",
+            ])
+            .arg(amvm_tests::amvm_bin())
+            .args(["run", "--", "true"])
+            .env("AMVM_KVM_DEVICE", &dev)
+            .output()
+            .expect("setpriv (util-linux) runs amvm without CAP_DAC_OVERRIDE");
+        Outcome {
+            code: out.status.code().unwrap(),
+            stdout: out.stdout,
+            stderr: String::from_utf8_lossy(&out.stderr).into(),
+        }
+    } else {
+        amvm(["run", "--", "true"], &[("AMVM_KVM_DEVICE", &dev)])
+    };
+    assert_one_line_125(&o, "`kvm` group");
+    assert!(Path::new(&dev).exists());
+}
+
+#[test]
+fn unknown_flag() {
+    let o = amvm(["run", "--frobnicate", "--", "true"], &[]);
+    assert_one_line_125(&o, "--frobnicate");
+}
+
+#[test]
+fn missing_command() {
+    let o = amvm(["run"], &[]);
+    assert_one_line_125(&o, "COMMAND");
+}
+
+#[test]
+fn impossible_sizes() {
+    assert_one_line_125(&amvm(["run", "--cpus", "0", "--", "true"], &[]), "--cpus 0");
+    assert_one_line_125(
+        &amvm(["run", "--cpus", "33", "--", "true"], &[]),
+        "--cpus 33",
+    );
+    assert_one_line_125(&amvm(["run", "--mem", "1", "--", "true"], &[]), "--mem 1");
+    assert_one_line_125(
+        &amvm(["run", "--user", "root", "--", "true"], &[]),
+        "--user",
+    );
+}
+
+#[test]
+fn later_features_say_not_yet_supported() {
+    for flag in [
+        &["--egress", "/tmp/x.sock"][..],
+        &["--workspace", "/tmp"],
+        &["-i"],
+        &["--system", "/tmp"],
+    ] {
+        let mut args = vec!["run"];
+        args.extend_from_slice(flag);
+        args.extend_from_slice(&["--", "true"]);
+        assert_one_line_125(&amvm(&args, &[]), "not supported yet");
+    }
+}

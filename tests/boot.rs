@@ -1,1 +1,133 @@
+//! Boot real microVMs and check what comes back: exit statuses, stdout/stderr separation,
+//! vCPUs, the workload's user, environment and working directory, and repeated runs.
 
+use amvm_tests::{run_vm, sh};
+
+#[test]
+fn stdout_stderr_and_status_come_back_separately() {
+    let o = sh("echo hello; echo oops >&2; exit 7");
+    assert_eq!(o.code, 7, "{o:?}");
+    assert_eq!(o.stdout_str(), "hello\n");
+    assert_eq!(o.stderr, "oops\n");
+}
+
+#[test]
+fn exit_status_0() {
+    let o = run_vm(&[], &["true"]);
+    assert_eq!(
+        (o.code, o.stdout.len(), o.stderr.as_str()),
+        (0, 0, ""),
+        "{o:?}"
+    );
+}
+
+#[test]
+fn exit_status_1() {
+    let o = run_vm(&[], &["false"]);
+    assert_eq!(o.code, 1, "{o:?}");
+}
+
+#[test]
+fn exit_status_255() {
+    let o = sh("exit 255");
+    assert_eq!(o.code, 255, "{o:?}");
+}
+
+#[test]
+fn death_by_signal_is_128_plus_n() {
+    let o = sh("kill -9 $$");
+    assert_eq!(o.code, 137, "{o:?}");
+}
+
+#[test]
+fn missing_command_is_127_with_a_message() {
+    let o = run_vm(&[], &["no-such-command-anywhere"]);
+    assert_eq!(o.code, 127, "{o:?}");
+    assert!(
+        o.stderr.contains("no-such-command-anywhere") && o.stderr.contains("not found"),
+        "{o:?}"
+    );
+}
+
+#[test]
+fn two_vcpus_are_two_processors() {
+    let o = run_vm(
+        &["--cpus", "2"],
+        &["sh", "-c", "nproc; grep -c ^processor /proc/cpuinfo"],
+    );
+    assert_eq!((o.code, o.stdout_str().as_str()), (0, "2\n2\n"), "{o:?}");
+}
+
+#[test]
+fn one_vcpu_by_default_and_memory_as_asked() {
+    let o = run_vm(
+        &["--mem", "256"],
+        &["sh", "-c", "nproc; grep MemTotal /proc/meminfo"],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("1"));
+    let kib: u64 = lines
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    // MemTotal is RAM minus what the kernel reserves for itself: within 256 MiB, above 200 MiB.
+    assert!(
+        (200 * 1024..=256 * 1024).contains(&kib),
+        "MemTotal {kib} kB for --mem 256"
+    );
+}
+
+#[test]
+fn workload_runs_as_the_requested_user_with_env_and_cwd() {
+    let o = run_vm(
+        &["-e", "GREETING=hi there", "-w", "/tmp"],
+        &[
+            "sh",
+            "-c",
+            "id -u; id -g; pwd; echo \"$GREETING\"; echo $HOME",
+        ],
+    );
+    assert_eq!(
+        (o.code, o.stdout_str().as_str()),
+        (0, "1000\n1000\n/tmp\nhi there\n/home/agent\n1000:1000\n"),
+        "{o:?}"
+    );
+    let o = run_vm(&["--user", "0:0"], &["id", "-u"]);
+    assert_eq!((o.code, o.stdout_str().as_str()), (0, "0\n"), "{o:?}");
+}
+
+#[test]
+fn output_arrives_complete_and_in_order() {
+    // 20,000 numbered lines on stdout, interleaved with stderr lines: both streams byte-exact.
+    let o = sh("i=0; while [ $i -lt 20000 ]; do echo $i; [ $((i % 1000)) = 0 ] && echo e$i >&2; i=$((i+1)); done");
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let want: String = (0..20000).map(|i| format!("{i}\n")).collect();
+    assert_eq!(o.stdout_str(), want);
+    let want_err: String = (0..20).map(|i| format!("e{}\n", i * 1000)).collect();
+    assert_eq!(o.stderr, want_err);
+}
+
+#[test]
+fn timeout_exits_124() {
+    let o = run_vm(&["--timeout", "3"], &["sleep", "100"]);
+    assert_eq!(o.code, 124, "{o:?}");
+    assert!(o.stderr.contains("timed out after 3 s"), "{o:?}");
+}
+
+#[test]
+fn twenty_runs_in_a_row() {
+    for i in 0..20 {
+        let o = sh(&format!("echo run {i}; exit {}", i % 3));
+        assert_eq!(
+            (o.code, o.stdout_str()),
+            (i % 3, format!("run {i}\n")),
+            "run {i}: {o:?}"
+        );
+    }
+}

@@ -35,20 +35,15 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
         };
         cmd.env(OsStr::from_bytes(k), OsStr::from_bytes(v));
     }
+    prepare_home(spec);
     cmd.current_dir(OsStr::from_bytes(&spec.cwd));
     cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     cmd.uid(spec.uid).gid(spec.gid);
-    // SAFETY: the closure only calls setsid(2), which is async-signal-safe.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
+    // SAFETY: the hook runs between fork and exec and only calls setsid(2), which is
+    // async-signal-safe and touches no memory of the parent.
+    unsafe { cmd.pre_exec(new_session) };
     let name = String::from_utf8_lossy(&spec.argv[0]).into_owned();
     let mut child = match cmd.spawn() {
         Ok(c) => c,
@@ -68,6 +63,26 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     let out = child.stdout.take().expect("piped stdout");
     let err = child.stderr.take().expect("piped stderr");
     relay(pid, out, err, chan)
+}
+
+/// Give the workload a `$HOME` it owns (on the in-memory root; it vanishes with the VM).
+fn prepare_home(spec: &RunSpec) {
+    let Some(home) = spec.env.iter().find_map(|kv| kv.strip_prefix(b"HOME=")) else {
+        return;
+    };
+    let home = std::path::Path::new(OsStr::from_bytes(home));
+    if home.is_absolute() && !home.exists() && std::fs::create_dir_all(home).is_ok() {
+        let _ = std::os::unix::fs::chown(home, Some(spec.uid), Some(spec.gid));
+    }
+}
+
+/// The workload leads its own session: no controlling terminal, its own process group.
+fn new_session() -> io::Result<()> {
+    // SAFETY: setsid(2) takes no arguments.
+    if unsafe { libc::setsid() } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Forward output until the workload has exited and both pipes are closed.

@@ -52,12 +52,18 @@ fn usage_error(e: clap::Error) -> ExitCode {
             ExitCode::from(exit::AMVM_FAILURE)
         }
         _ => {
-            let msg = e.to_string();
-            let first = msg.lines().next().unwrap_or("invalid arguments");
-            eprintln!(
-                "amvm: {} (see amvm run --help)",
-                first.trim_start_matches("error: ")
-            );
+            // clap's message is several lines; keep the first (and what it introduces with ':').
+            let msg = e.render().to_string();
+            let mut lines = msg.lines().map(str::trim).filter(|l| !l.is_empty());
+            let mut first = lines
+                .next()
+                .unwrap_or("invalid arguments")
+                .trim_start_matches("error: ")
+                .to_string();
+            if first.ends_with(':') {
+                first = format!("{first} {}", lines.next().unwrap_or_default());
+            }
+            eprintln!("amvm: {first} (see amvm run --help)");
             ExitCode::from(exit::AMVM_FAILURE)
         }
     }

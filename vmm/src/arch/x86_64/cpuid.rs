@@ -36,13 +36,12 @@ pub fn for_vcpu(entries: &mut [kvm_cpuid_entry2], id: u8, count: u8) {
                     e.edx &= !EDX_HTT;
                 }
             }
-            LEAF_CACHE_PARAMS => {
-                // EAX[31:26]: cores per package - 1; [25:14]: threads sharing this cache - 1.
-                if e.eax & 0x1f != 0 {
-                    let level = (e.eax >> 5) & 0x7;
-                    let sharing = if level >= 3 { count - 1 } else { 0 };
-                    e.eax = (e.eax & 0x3fff) | ((count - 1) << 26) | (sharing << 14);
-                }
+            // EAX[31:26]: cores per package - 1; [25:14]: threads sharing this cache - 1.
+            // A cache type of 0 ends the list.
+            LEAF_CACHE_PARAMS if e.eax & 0x1f != 0 => {
+                let level = (e.eax >> 5) & 0x7;
+                let sharing = if level >= 3 { count - 1 } else { 0 };
+                e.eax = (e.eax & 0x3fff) | ((count - 1) << 26) | (sharing << 14);
             }
             LEAF_PMU => {
                 e.eax = 0;

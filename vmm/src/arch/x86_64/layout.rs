@@ -29,6 +29,17 @@ pub const LAPIC_ADDR: u32 = 0xfee0_0000;
 /// Three pages KVM needs for its real-mode TSS, inside the gap, clear of the APICs.
 pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
 
+// The fixed areas must not overlap (checked at compile time).
+const _: () = {
+    assert!(GDT_START + 4 * 8 <= IDT_START);
+    assert!(PVH_INFO_START + 56 <= MODLIST_START);
+    assert!(MODLIST_START + 32 <= MEMMAP_START);
+    assert!(MEMMAP_START + 8 * 24 <= CMDLINE_START);
+    assert!(CMDLINE_START + CMDLINE_MAX_SIZE as u64 <= EBDA_START);
+    assert!(EBDA_END <= HIMEM_START);
+    assert!(KVM_TSS_ADDRESS > LAPIC_ADDR as u64 && KVM_TSS_ADDRESS + 3 * 4096 <= MMIO_GAP_END);
+};
+
 /// The RAM ranges (start, length) for a guest of `bytes` bytes: below the MMIO gap first,
 /// the rest above 4 GiB.
 pub fn ram_ranges(bytes: u64) -> Vec<(u64, u64)> {
@@ -60,18 +71,5 @@ mod tests {
             ]
         );
         assert_eq!(low_ram_end(4 << 30), MMIO_GAP_START);
-    }
-
-    #[test]
-    fn fixed_areas_do_not_overlap() {
-        assert!(GDT_START + 4 * 8 <= IDT_START);
-        assert!(PVH_INFO_START + 56 <= MODLIST_START);
-        assert!(MODLIST_START + 32 <= MEMMAP_START);
-        assert!(MEMMAP_START + 8 * 24 <= CMDLINE_START);
-        assert!(CMDLINE_START + CMDLINE_MAX_SIZE as u64 <= EBDA_START);
-        assert!(EBDA_END <= HIMEM_START);
-        assert!(
-            KVM_TSS_ADDRESS > u64::from(LAPIC_ADDR) && KVM_TSS_ADDRESS + 3 * 4096 <= MMIO_GAP_END
-        );
     }
 }
