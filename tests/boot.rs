@@ -90,7 +90,7 @@ fn workload_runs_as_the_requested_user_with_env_and_cwd() {
         &[
             "sh",
             "-c",
-            "id -u; id -g; pwd; echo \"$GREETING\"; echo $HOME",
+            "id -u; id -g; pwd; echo \"$GREETING\"; echo $HOME; touch $HOME/f; stat -c %u:%g $HOME/f",
         ],
     );
     assert_eq!(
