@@ -9,7 +9,7 @@ while IFS= read -r -d '' e; do
 	[[ $e == ?*=* ]] && envs+=("$e")
 done <"$dir/environ"
 cd -- "$cwd" || {
-	echo "kvm-host: cannot enter $cwd in the emulated host (/tmp and /run are empty tmpfs there)" >&2
+	echo "kvm-host: cannot enter $cwd in the emulated host (/run is an empty tmpfs there)" >&2
 	exit 125
 }
 exec /usr/bin/env -i "${envs[@]}" "${argv[@]}"

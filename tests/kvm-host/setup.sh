@@ -18,7 +18,7 @@ KH_PACKAGES=(qemu-system-x86 busybox-static libseccomp-dev libcap-ng-dev kmod cp
 KH_VIRTIOFSD_VERSION=1.14.0
 # Modules the emulated host needs, in load order; modprobe --show-depends adds whatever they depend on.
 KH_MODULES=(virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci fuse virtiofs virtio_console
-	irqbypass kvm kvm_amd)
+	overlay irqbypass kvm kvm_amd)
 
 kh_step() { printf 'kvm-host: %s\n' "$*" >&2; }
 
