@@ -8,4 +8,6 @@
 
 pub mod connection;
 pub mod defs;
+pub mod device;
+pub mod muxer;
 pub mod packet;
