@@ -147,13 +147,17 @@ fn impossible_sizes() {
 }
 
 #[test]
+fn missing_egress_socket() {
+    let o = amvm(
+        ["run", "--egress", "/nonexistent/egress.sock", "--", "true"],
+        &[],
+    );
+    assert_one_line_125(&o, "egress socket /nonexistent/egress.sock: no such file");
+}
+
+#[test]
 fn later_features_say_not_yet_supported() {
-    for flag in [
-        &["--egress", "/tmp/x.sock"][..],
-        &["--workspace", "/tmp"],
-        &["-i"],
-        &["--system", "/tmp"],
-    ] {
+    for flag in [&["--workspace", "/tmp"][..], &["-i"], &["--system", "/tmp"]] {
         let mut args = vec!["run"];
         args.extend_from_slice(flag);
         args.extend_from_slice(&["--", "true"]);

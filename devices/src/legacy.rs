@@ -3,19 +3,19 @@
 //! A UART's interrupt is an [`EventFd`] the VMM registers as an irqfd; the i8042 reset is an
 //! [`EventFd`] the VMM waits on. Output bytes go to any `Write` the VMM chooses.
 
-use crate::bus::PioDevice;
+use crate::bus::BusDevice;
 use std::io::{self, Write};
 use vm_superio::{I8042Device, Serial, Trigger};
 use vmm_sys_util::eventfd::EventFd;
 
 /// Standard PC port bases and IRQs.
-pub const COM1_BASE: u16 = 0x3f8;
+pub const COM1_BASE: u64 = 0x3f8;
 pub const COM1_IRQ: u32 = 4;
-pub const COM2_BASE: u16 = 0x2f8;
+pub const COM2_BASE: u64 = 0x2f8;
 pub const COM2_IRQ: u32 = 3;
-pub const UART_PORTS: u16 = 8;
-pub const I8042_BASE: u16 = 0x60;
-pub const I8042_PORTS: u16 = 5;
+pub const UART_PORTS: u64 = 8;
+pub const I8042_BASE: u64 = 0x60;
+pub const I8042_PORTS: u64 = 5;
 
 /// An [`EventFd`] as a vm-superio trigger.
 #[derive(Debug)]
@@ -37,6 +37,12 @@ impl Trigger for EventFdTrigger {
     }
 }
 
+impl crate::virtio::Interrupt for EventFdTrigger {
+    fn trigger(&self) -> io::Result<()> {
+        self.0.write(1)
+    }
+}
+
 /// An 8250 UART whose transmitted bytes go to `W`.
 pub struct Uart<W: Write + Send> {
     inner: Serial<EventFdTrigger, vm_superio::serial::NoEvents, W>,
@@ -50,14 +56,14 @@ impl<W: Write + Send> Uart<W> {
     }
 }
 
-impl<W: Write + Send> PioDevice for Uart<W> {
-    fn read(&mut self, offset: u16, data: &mut [u8]) {
+impl<W: Write + Send> BusDevice for Uart<W> {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
         match (data.len(), u8::try_from(offset)) {
             (1, Ok(off)) => data[0] = self.inner.read(off),
             _ => data.fill(0xff),
         }
     }
-    fn write(&mut self, offset: u16, data: &[u8]) {
+    fn write(&mut self, offset: u64, data: &[u8]) {
         if let (1, Ok(off)) = (data.len(), u8::try_from(offset)) {
             if let Err(e) = self.inner.write(off, data[0]) {
                 tracing::debug!("uart write at offset {off}: {e:?}");
@@ -79,14 +85,14 @@ impl ResetLine {
     }
 }
 
-impl PioDevice for ResetLine {
-    fn read(&mut self, offset: u16, data: &mut [u8]) {
+impl BusDevice for ResetLine {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
         match (data.len(), u8::try_from(offset)) {
             (1, Ok(off)) => data[0] = self.inner.read(off),
             _ => data.fill(0xff),
         }
     }
-    fn write(&mut self, offset: u16, data: &[u8]) {
+    fn write(&mut self, offset: u64, data: &[u8]) {
         if let (1, Ok(off)) = (data.len(), u8::try_from(offset)) {
             if let Err(e) = self.inner.write(off, data[0]) {
                 tracing::debug!("i8042 write at offset {off}: {e:?}");

@@ -1,32 +1,35 @@
-//! The framed channel to the VMM on the guest's second UART (see `guest_init::protocol`).
+//! The framed control channel to the VMM (see `guest_init::protocol`): a vsock stream to the
+//! host's [`CONTROL_PORT`].
+//!
+//! Ending it is a handshake, so nothing is lost when the guest reboots right after: guest-init
+//! sends the exit frame, shuts down its write side, and waits until the host closes the
+//! stream — which the host does only after it has read every frame.
 
-use guest_init::protocol::{encode_chunks, encode_frame, FrameKind};
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
+use guest_init::protocol::{encode_chunks, encode_frame, FrameKind, CONTROL_PORT};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-/// The UART the VMM listens on for frames (COM2, port 0x2f8).
-pub const CHANNEL_TTY: &str = "/dev/ttyS1";
+/// The host's vsock CID.
+const HOST_CID: u32 = 2;
 
-/// A raw-mode tty carrying frames.
+/// The control stream.
 pub struct Channel {
-    tty: File,
+    sock: File,
     buf: Vec<u8>,
 }
 
 impl Channel {
-    pub fn open(path: &str) -> io::Result<Self> {
-        let tty = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOCTTY)
-            .open(path)
-            .map_err(|e| io::Error::new(e.kind(), format!("open {path}: {e}")))?;
-        make_raw(&tty)?;
+    pub fn open() -> io::Result<Self> {
+        let sock = vsock_connect(HOST_CID, CONTROL_PORT).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("connecting to the host's control port {CONTROL_PORT}: {e}"),
+            )
+        })?;
         Ok(Channel {
-            tty,
-            buf: Vec::with_capacity(4096),
+            sock: File::from(sock),
+            buf: Vec::with_capacity(64 * 1024),
         })
     }
 
@@ -38,13 +41,15 @@ impl Channel {
         self.send(FrameKind::Stderr, data);
     }
 
-    /// Report the exit status and wait until every byte has left the UART.
+    /// Report the exit status, then wait until the host has read everything and closed.
     pub fn exit(&mut self, status: u8) {
         self.buf.clear();
         encode_frame(FrameKind::Exit, &[status], &mut self.buf);
         self.flush_buf();
-        // SAFETY: tcdrain on a valid, open tty descriptor.
-        unsafe { libc::tcdrain(self.tty.as_raw_fd()) };
+        // SAFETY: shutdown(2) on a socket descriptor we own.
+        unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_WR) };
+        let mut sink = [0u8; 64];
+        while matches!(self.sock.read(&mut sink), Ok(n) if n > 0) {}
     }
 
     fn send(&mut self, kind: FrameKind, data: &[u8]) {
@@ -55,24 +60,35 @@ impl Channel {
 
     fn flush_buf(&mut self) {
         // If the channel is gone there is nobody left to tell; the VMM will report a missing status.
-        let _ = self.tty.write_all(&self.buf);
+        let _ = self.sock.write_all(&self.buf);
     }
 }
 
-/// Raw mode: no echo, no line discipline, no \n -> \r\n: bytes pass unchanged.
-fn make_raw(tty: &File) -> io::Result<()> {
-    let fd = tty.as_raw_fd();
-    // SAFETY: termios is plain data; zeroed is a valid value that tcgetattr overwrites.
-    let mut t: libc::termios = unsafe { std::mem::zeroed() };
-    // SAFETY: fd is an open tty and `t` a valid, writable termios.
-    if unsafe { libc::tcgetattr(fd, &mut t) } != 0 {
+/// A connected AF_VSOCK stream socket.
+pub fn vsock_connect(cid: u32, port: u32) -> io::Result<OwnedFd> {
+    // SAFETY: socket(2) with constant arguments; the result is checked before use.
+    let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
         return Err(io::Error::last_os_error());
     }
-    // SAFETY: `t` is a valid termios obtained above.
-    unsafe { libc::cfmakeraw(&mut t) };
-    // SAFETY: fd is an open tty and `t` a valid termios.
-    if unsafe { libc::tcsetattr(fd, libc::TCSANOW, &t) } != 0 {
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: sockaddr_vm is plain data; all-zero is a valid value before we fill it in.
+    let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
+    addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
+    addr.svm_cid = cid;
+    addr.svm_port = port;
+    let len = std::mem::size_of::<libc::sockaddr_vm>() as libc::socklen_t;
+    // SAFETY: `addr` is a valid sockaddr_vm of `len` bytes that outlives the call.
+    let rc = unsafe {
+        libc::connect(
+            owned.as_raw_fd(),
+            (&addr as *const libc::sockaddr_vm).cast(),
+            len,
+        )
+    };
+    if rc != 0 {
         return Err(io::Error::last_os_error());
     }
-    Ok(())
+    Ok(owned)
 }

@@ -5,6 +5,7 @@
 //! the kernel (booted with `reboot=k`) turns into an i8042 reset that the VMM treats as "done".
 
 mod channel;
+mod egress;
 mod mounts;
 mod sys;
 mod workload;
@@ -20,7 +21,7 @@ fn main() {
         eprintln!("guest-init: {e}");
         sys::reboot();
     }
-    let mut chan = match channel::Channel::open(channel::CHANNEL_TTY) {
+    let mut chan = match channel::Channel::open() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("guest-init: {e}");
@@ -40,7 +41,14 @@ fn main() {
 
 fn run(chan: &mut channel::Channel) -> Result<u8, String> {
     let raw = std::fs::read(SPEC_PATH).map_err(|e| format!("reading {SPEC_PATH}: {e}"))?;
-    let spec = RunSpec::decode(&raw).map_err(|e| e.to_string())?;
+    let mut spec = RunSpec::decode(&raw).map_err(|e| e.to_string())?;
     mounts::busybox_applets();
+    if spec.egress {
+        let vars = egress::start().map_err(|e| format!("starting the egress relay: {e}"))?;
+        spec.env.extend(
+            vars.into_iter()
+                .map(|(k, v)| format!("{k}={v}").into_bytes()),
+        );
+    }
     workload::run(&spec, chan).map_err(|e| e.to_string())
 }

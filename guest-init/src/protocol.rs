@@ -3,10 +3,12 @@
 //! Two pieces, both little-endian and length-prefixed:
 //!
 //! * **Run spec** (VMM -> guest): written by the VMM into the in-memory initramfs at [`SPEC_PATH`].
-//!   Layout: magic [`SPEC_MAGIC`], `uid: u32`, `gid: u32`, `cwd: bytes`, `argv: list`, `env: list`,
+//!   Layout: magic [`SPEC_MAGIC`], `uid: u32`, `gid: u32`, `flags: u32` (bit 0: egress relay),
+//!   `cwd: bytes`, `argv: list`, `env: list`,
 //!   where `bytes` is `len: u32` followed by `len` bytes and `list` is `count: u32` followed by
 //!   `count` `bytes`. Environment entries are `KEY=VALUE`.
-//! * **Frames** (guest -> VMM) on the guest's second UART (`/dev/ttyS1`, raw mode):
+//! * **Frames** (guest -> VMM) on the control channel, a vsock stream guest-init opens to
+//!   [`CONTROL_PORT`] on the host:
 //!   `kind: u8`, `len: u32`, then `len` payload bytes, `len <= MAX_FRAME_PAYLOAD`.
 //!   Kinds: [`FrameKind::Stdout`], [`FrameKind::Stderr`] (workload output, in order) and
 //!   [`FrameKind::Exit`] (payload: one byte, the exit status amvm should return).
@@ -14,10 +16,15 @@
 //! The VMM treats every byte from the guest as hostile: [`FrameParser`] rejects unknown kinds and
 //! oversized frames instead of trusting them.
 
+/// The vsock port (on the host, CID 2) where guest-init opens the control channel.
+pub const CONTROL_PORT: u32 = 1024;
+/// The vsock port each egress stream connects to.
+pub const EGRESS_PORT: u32 = 1025;
+
 /// Where the run spec sits in the initramfs.
 pub const SPEC_PATH: &str = "/amvm/spec";
 /// First bytes of an encoded run spec (the trailing digit is the version).
-pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC1";
+pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC2";
 /// Largest payload one frame may carry.
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// Bytes in a frame header.
@@ -55,7 +62,11 @@ pub struct RunSpec {
     pub cwd: Vec<u8>,
     pub uid: u32,
     pub gid: u32,
+    /// Run the egress relay (the host has an egress socket).
+    pub egress: bool,
 }
+
+const FLAG_EGRESS: u32 = 1;
 
 impl RunSpec {
     /// Serialize to the layout in the module docs.
@@ -64,6 +75,8 @@ impl RunSpec {
         out.extend_from_slice(SPEC_MAGIC);
         out.extend_from_slice(&self.uid.to_le_bytes());
         out.extend_from_slice(&self.gid.to_le_bytes());
+        let flags = if self.egress { FLAG_EGRESS } else { 0 };
+        out.extend_from_slice(&flags.to_le_bytes());
         put_bytes(&mut out, &self.cwd);
         for list in [&self.argv, &self.env] {
             out.extend_from_slice(&(list.len() as u32).to_le_bytes());
@@ -82,6 +95,7 @@ impl RunSpec {
         }
         let uid = r.u32()?;
         let gid = r.u32()?;
+        let flags = r.u32()?;
         let cwd = r.bytes()?.to_vec();
         let argv = r.list()?;
         let env = r.list()?;
@@ -97,6 +111,7 @@ impl RunSpec {
             cwd,
             uid,
             gid,
+            egress: flags & FLAG_EGRESS != 0,
         })
     }
 }
@@ -273,6 +288,7 @@ mod tests {
             cwd: b"/".to_vec(),
             uid: 1000,
             gid: 1001,
+            egress: true,
         }
     }
 
@@ -304,7 +320,7 @@ mod tests {
         s.argv.clear();
         assert_eq!(RunSpec::decode(&s.encode()), Err(ProtocolError::EmptyArgv));
         let mut raw = SPEC_MAGIC.to_vec();
-        raw.extend_from_slice(&[0; 8]); // uid, gid
+        raw.extend_from_slice(&[0; 12]); // uid, gid, flags
         raw.extend_from_slice(&0u32.to_le_bytes()); // cwd
         raw.extend_from_slice(&u32::MAX.to_le_bytes()); // argv count
         assert!(matches!(

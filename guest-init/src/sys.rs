@@ -35,3 +35,32 @@ pub fn reboot() -> ! {
         std::thread::park();
     }
 }
+
+/// Bring the loopback interface up (the kernel then gives it 127.0.0.1/8).
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: socket(2) with constant arguments; the result is checked before use.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is a fresh descriptor that nothing else owns.
+    let sock = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    use std::os::fd::AsRawFd;
+    // SAFETY: ifreq is plain data; all-zero is a valid value before we fill it in.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (dst, src) in req.ifr_name.iter_mut().zip(b"lo\0") {
+        *dst = *src as libc::c_char;
+    }
+    // SAFETY: SIOCGIFFLAGS reads the flags of the interface named in `req` into `req`.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut req) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the ioctl above filled the flags member of the union.
+    let flags = unsafe { req.ifr_ifru.ifru_flags };
+    req.ifr_ifru.ifru_flags = flags | libc::IFF_UP as libc::c_short;
+    // SAFETY: SIOCSIFFLAGS takes the same ifreq with the new flags.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &req) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}

@@ -99,3 +99,137 @@ pub fn run_vm(opts: &[&str], command: &[&str]) -> Outcome {
 pub fn sh(script: &str) -> Outcome {
     run_vm(&[], &["sh", "-c", script])
 }
+
+/// A stand-in egress endpoint: a unix socket server in this test process that speaks a tiny
+/// line protocol, so both ends of every stream can be hashed and compared.
+///
+/// * `UP n` then n bytes: the server reads exactly n bytes and answers their SHA-256 (hex).
+/// * `UPEOF`: the server reads until the client half-closes, then answers the SHA-256.
+/// * `DOWN n`: the server sends n bytes (a fixed pattern) and closes.
+/// * `DIE`: the server closes at once without answering (an endpoint dying mid-stream).
+///
+/// Pacing: `Pace::Slow` reads in 1000-byte pieces with 1 ms pauses and stops for 2 s once;
+/// `Pace::Fast` reads 1 MiB at a time. Every stream's result goes to [`EgressServer::records`]
+/// as `"UP <n> <sha>"`, `"UPEOF <n> <sha>"` or `"DOWN <n> <sha>"`.
+pub mod egress_server {
+    use sha2::{Digest, Sha256};
+    use std::io::{BufRead, BufReader, Read, Write};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    use std::path::PathBuf;
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Pace {
+        Fast,
+        Slow,
+    }
+
+    #[derive(Debug)]
+    pub struct EgressServer {
+        pub dir: PathBuf,
+        pub path: PathBuf,
+        records: Arc<Mutex<Vec<String>>>,
+    }
+
+    pub fn hex(d: &[u8]) -> String {
+        d.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The bytes `DOWN n` sends.
+    pub fn pattern(n: usize) -> Vec<u8> {
+        (0..n).map(|i| (i.wrapping_mul(7) % 251) as u8).collect()
+    }
+
+    impl EgressServer {
+        pub fn start(name: &str, pace: Pace) -> EgressServer {
+            let dir =
+                std::env::temp_dir().join(format!("amvm-egress-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("egress.sock");
+            let listener = UnixListener::bind(&path).unwrap();
+            let records: Arc<Mutex<Vec<String>>> = Arc::default();
+            let recs = records.clone();
+            std::thread::spawn(move || {
+                for conn in listener.incoming().flatten() {
+                    let recs = recs.clone();
+                    std::thread::spawn(move || serve(conn, pace, &recs));
+                }
+            });
+            EgressServer { dir, path, records }
+        }
+
+        pub fn records(&self) -> Vec<String> {
+            self.records.lock().unwrap().clone()
+        }
+
+        pub fn path_str(&self) -> &str {
+            self.path.to_str().unwrap()
+        }
+    }
+
+    impl Drop for EgressServer {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    fn serve(conn: UnixStream, pace: Pace, recs: &Mutex<Vec<String>>) {
+        let mut w = conn.try_clone().unwrap();
+        let mut r = BufReader::with_capacity(1 << 20, conn);
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap_or(0) == 0 {
+            return; // amvm's start-up probe: connect and close
+        }
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let piece = if pace == Pace::Slow { 1000 } else { 1 << 20 };
+        let mut buf = vec![0u8; piece];
+        let limit: Option<usize> = match words.as_slice() {
+            ["UP", n] => Some(n.parse().unwrap()),
+            _ => None,
+        };
+        match words.as_slice() {
+            ["UP", _] | ["UPEOF"] => {
+                let (mut h, mut got, mut paused) = (Sha256::new(), 0usize, false);
+                loop {
+                    let want = limit.map_or(piece, |l| (l - got).min(piece));
+                    if want == 0 {
+                        break;
+                    }
+                    let k = r.read(&mut buf[..want]).unwrap_or(0);
+                    if k == 0 {
+                        break;
+                    }
+                    h.update(&buf[..k]);
+                    got += k;
+                    if pace == Pace::Slow {
+                        std::thread::sleep(Duration::from_millis(1));
+                        if !paused && got > 100_000 {
+                            paused = true;
+                            std::thread::sleep(Duration::from_secs(2));
+                        }
+                    }
+                }
+                let digest = hex(&h.finalize());
+                recs.lock()
+                    .unwrap()
+                    .push(format!("{} {got} {digest}", words[0]));
+                let _ = w.write_all(format!("{digest}\n").as_bytes());
+            }
+            ["DOWN", n] => {
+                let n: usize = n.parse().unwrap();
+                let data = pattern(n);
+                let ok = w.write_all(&data).is_ok();
+                recs.lock().unwrap().push(format!(
+                    "DOWN {n} {}{}",
+                    hex(&Sha256::digest(&data)),
+                    if ok { "" } else { " (write failed)" }
+                ));
+            }
+            // The endpoint dies mid-stream: close without answering.
+            ["DIE"] => recs.lock().unwrap().push("DIE".into()),
+            _ => panic!("egress server: bad request line {line:?}"),
+        }
+    }
+}

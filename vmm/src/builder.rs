@@ -5,13 +5,16 @@
 use crate::arch::x86_64::layout;
 use crate::boot::{self, initramfs};
 use crate::config::RunConfig;
-use crate::output::{ChannelSink, ConsoleSink, Report};
+use crate::output::{ConsoleSink, Report};
 use crate::vstate::kvm::{Kvm, KvmError};
 use crate::vstate::memory::{self, MemoryError};
 use crate::vstate::vcpu::{BootEntry, VcpuError, VcpuStop};
 use crate::vstate::vm::{Vm, VmError};
-use amvm_devices::bus::{BusError, PioBus, PioDevice};
+use amvm_devices::bus::{Bus, BusDevice, BusError};
 use amvm_devices::legacy::{self, EventFdTrigger, ResetLine, Uart};
+use amvm_devices::virtio::{MmioError, MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY};
+use amvm_devices::vsock::device::VsockDevice;
+use amvm_egress::Egress;
 use guest_init::protocol::SPEC_PATH;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -37,6 +40,14 @@ pub enum RunError {
         "{0}: {1} (install Debian's busybox-static, or point AMVM_BUSYBOX at a static busybox)"
     )]
     Busybox(PathBuf, String),
+    #[error(transparent)]
+    Egress(#[from] amvm_egress::EgressError),
+    #[error("virtio-mmio: {0}")]
+    Mmio(#[from] MmioError),
+    #[error("vsock device: {0}")]
+    Vsock(io::Error),
+    #[error("starting the control channel: {0}")]
+    Control(io::Error),
     #[error("event fd: {0}")]
     EventFd(io::Error),
     #[error("starting a vCPU thread: {0}")]
@@ -45,8 +56,9 @@ pub enum RunError {
     Timeout(u64),
     #[error("the guest failed: {error}{}", console_note(.console))]
     GuestFailed { error: String, console: String },
-    #[error("the guest stopped without reporting an exit status{}{}", .protocol.as_ref().map(|p| format!(" (channel: {p})")).unwrap_or_default(), console_note(.console))]
+    #[error("the guest stopped ({how}) without reporting an exit status{}{}", .protocol.as_ref().map(|p| format!(" (channel: {p})")).unwrap_or_default(), console_note(.console))]
     NoStatus {
+        how: String,
         protocol: Option<String>,
         console: String,
     },
@@ -68,7 +80,11 @@ fn console_note(console: &str) -> String {
 pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let deadline = cfg.timeout.map(|t| (Instant::now() + t, t.as_secs()));
 
-    // KVM first: without a usable /dev/kvm nothing else is worth doing.
+    // Host-side inputs first (cheap, and the user's to fix), then KVM.
+    let egress = match &cfg.egress {
+        Some(sock) => Some(Egress::new(sock, cfg.egress_log.as_deref())?),
+        None => None,
+    };
     let kvm = Kvm::open()?;
     let busybox = read_static_busybox(&cfg.busybox)?;
 
@@ -77,32 +93,35 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     // The irqchip is created with the VM, before any vCPU (KVM requires that order).
     let vm = Vm::new(&kvm, &mem)?;
 
-    // Devices. COM1: kernel console; COM2: guest-init's channel; i8042: the exit path.
+    // Devices. COM1: kernel console; i8042: the exit path; virtio-vsock: the control channel.
     let exit_evt = EventFdTrigger::new().map_err(RunError::EventFd)?;
     let report = Arc::new(Mutex::new(Report::default()));
     let console = ConsoleSink::new(cfg.console);
-    let mut bus = PioBus::new();
+    let mut pio = Bus::new();
+    let mut mmio = Bus::new();
     attach_uart(
         &vm,
-        &mut bus,
+        &mut pio,
         legacy::COM1_BASE,
         legacy::COM1_IRQ,
         console.clone(),
     )?;
-    let channel = ChannelSink::new(io::stdout(), io::stderr(), report.clone());
-    attach_uart(&vm, &mut bus, legacy::COM2_BASE, legacy::COM2_IRQ, channel)?;
     let reset = ResetLine::new(exit_evt.try_clone().map_err(RunError::EventFd)?);
-    bus.insert(
+    pio.insert(
         legacy::I8042_BASE,
         legacy::I8042_PORTS,
         Arc::new(Mutex::new(reset)),
     )?;
+    let (ports, _control) =
+        crate::control::start(report.clone(), egress).map_err(RunError::Control)?;
+    let vsock = VsockDevice::new(GUEST_CID, ports).map_err(RunError::Vsock)?;
+    let vsock_entry = attach_virtio(&vm, &mem, &mut mmio, 0, Arc::new(Mutex::new(vsock)))?;
 
     // Guest memory contents: kernel, then the initramfs above it, then the boot tables.
     let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
     let initrd = build_initramfs(cfg, &busybox);
     let initrd_addr = boot::load_initramfs(&mem, mem_bytes, &kernel, &initrd)?;
-    let cmdline = boot::cmdline(cfg.console)?;
+    let cmdline = boot::cmdline(cfg.console, &[vsock_entry])?;
     boot::configure_pvh(
         &mem,
         mem_bytes,
@@ -122,15 +141,15 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         vcpu.configure(&kvm, cfg.cpus, boot)?;
         vcpus.push(vcpu);
     }
-    let bus = Arc::new(bus);
+    let (pio, mmio) = (Arc::new(pio), Arc::new(mmio));
     let stops: Arc<Mutex<Vec<Result<VcpuStop, VcpuError>>>> = Arc::default();
     for (id, vcpu) in vcpus.into_iter().enumerate() {
-        let (bus, stops) = (bus.clone(), stops.clone());
+        let (pio, mmio, stops) = (pio.clone(), mmio.clone(), stops.clone());
         let done = exit_evt.try_clone().map_err(RunError::EventFd)?;
         std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
-                let r = vcpu.run(&bus);
+                let r = vcpu.run(&pio, &mmio);
                 stops.lock().unwrap_or_else(|p| p.into_inner()).push(r);
                 let _ = done.0.write(1);
             })
@@ -143,11 +162,16 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         return Err(RunError::Timeout(deadline.map(|d| d.1).unwrap_or_default()));
     }
 
+    let stops = stops.lock().unwrap_or_else(|p| p.into_inner());
     let failure = stops
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
         .iter()
         .find_map(|r| r.as_ref().err().map(ToString::to_string));
+    let how = match stops.iter().find_map(|r| r.as_ref().ok()) {
+        Some(VcpuStop::Shutdown) => "triple fault".to_string(),
+        Some(VcpuStop::Halt) => "halted".to_string(),
+        Some(VcpuStop::SystemEvent(kind)) => format!("system event {kind}"),
+        None => "reset".to_string(),
+    };
     let report = report.lock().unwrap_or_else(|p| p.into_inner());
     match (report.exit, failure) {
         (Some(code), _) => Ok(code),
@@ -156,22 +180,51 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
             console: console.tail(),
         }),
         (None, None) => Err(RunError::NoStatus {
+            how,
             protocol: report.protocol_error.as_ref().map(ToString::to_string),
             console: console.tail(),
         }),
     }
 }
 
+/// The guest's vsock CID (2 is the host; 3 is the first guest CID).
+const GUEST_CID: u64 = 3;
+
+/// Put a virtio device in MMIO slot `slot`: its register window on the bus, its queue
+/// notifications as ioeventfds, its interrupt as an irqfd. Returns its command-line entry.
+fn attach_virtio(
+    vm: &Vm,
+    mem: &vm_memory::GuestMemoryMmap,
+    mmio: &mut Bus,
+    slot: u64,
+    device: Arc<Mutex<dyn amvm_devices::virtio::VirtioDevice>>,
+) -> Result<String, RunError> {
+    let base = layout::VIRTIO_MMIO_START + slot * MmioTransport::mmio_len();
+    let irq = layout::VIRTIO_IRQ_START + slot as u32;
+    let line = EventFdTrigger::new().map_err(RunError::EventFd)?;
+    vm.register_irqfd(&line.0, irq)?;
+    let transport = MmioTransport::new(mem.clone(), device, Arc::new(line))?;
+    for (index, evt) in transport.queue_evts().iter().enumerate() {
+        vm.register_mmio_ioevent(evt, base + VIRTIO_MMIO_QUEUE_NOTIFY, index as u32)?;
+    }
+    mmio.insert(
+        base,
+        MmioTransport::mmio_len(),
+        Arc::new(Mutex::new(transport)),
+    )?;
+    Ok(MmioTransport::cmdline_entry(base, irq))
+}
+
 fn attach_uart<W: io::Write + Send + 'static>(
     vm: &Vm,
-    bus: &mut PioBus,
-    base: u16,
+    bus: &mut Bus,
+    base: u64,
     irq: u32,
     out: W,
 ) -> Result<(), RunError> {
     let interrupt = EventFdTrigger::new().map_err(RunError::EventFd)?;
     vm.register_irqfd(&interrupt.0, irq)?;
-    let uart: Arc<Mutex<dyn PioDevice>> = Arc::new(Mutex::new(Uart::new(interrupt, out)));
+    let uart: Arc<Mutex<dyn BusDevice>> = Arc::new(Mutex::new(Uart::new(interrupt, out)));
     bus.insert(base, legacy::UART_PORTS, uart)?;
     Ok(())
 }

@@ -33,6 +33,9 @@ pub struct RunArgs {
     /// Host unix socket the workload may reach through the egress relay.
     #[arg(long, value_name = "SOCKET")]
     pub egress: Option<PathBuf>,
+    /// Append one JSON line per egress stream to FILE (needs --egress).
+    #[arg(long, value_name = "FILE", requires = "egress")]
+    pub egress_log: Option<PathBuf>,
     /// Read-only system root: `host` projects the host's /usr; DIR is an unpacked rootfs.
     #[arg(long, value_name = "host|DIR", default_value = "host")]
     pub system: String,
@@ -74,9 +77,6 @@ impl RunArgs {
         if self.workspace.is_some() {
             return Err(ConfigError::NotYetSupported("--workspace (virtio-fs)"));
         }
-        if self.egress.is_some() {
-            return Err(ConfigError::NotYetSupported("--egress (virtio-vsock)"));
-        }
         if self.system != "host" {
             return Err(ConfigError::NotYetSupported("--system DIR (virtio-fs)"));
         }
@@ -112,7 +112,10 @@ impl RunArgs {
                 cwd: cwd.into_bytes(),
                 uid,
                 gid,
+                egress: self.egress.is_some(),
             },
+            egress: self.egress,
+            egress_log: self.egress_log,
             busybox: std::env::var_os("AMVM_BUSYBOX")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| PathBuf::from(config::DEFAULT_BUSYBOX)),
@@ -149,13 +152,16 @@ mod tests {
     #[test]
     fn bad_input_is_refused() {
         assert!(parse(&["amvm", "run", "--bogus", "--", "true"]).is_err());
+        assert!(parse(&["amvm", "run", "--egress-log", "/l", "--", "true"]).is_err());
+        let c = parse(&["amvm", "run", "--egress", "/e.sock", "--", "true"]).unwrap();
+        assert!(c.spec.egress && c.egress.is_some());
         assert!(parse(&["amvm", "run"]).is_err());
         assert!(parse(&["amvm", "run", "--cpus", "0", "--", "true"])
             .unwrap_err()
             .contains("--cpus 0"));
         assert!(parse(&["amvm", "run", "--timeout", "0", "--", "true"]).is_err());
         assert!(parse(&["amvm", "run", "-w", "rel", "--", "true"]).is_err());
-        let e = parse(&["amvm", "run", "--egress", "/x", "--", "true"]).unwrap_err();
+        let e = parse(&["amvm", "run", "--workspace", "/x", "--", "true"]).unwrap_err();
         assert!(e.contains("not supported yet"), "{e}");
     }
 }

@@ -44,6 +44,9 @@ pub struct RunConfig {
     pub spec: RunSpec,
     /// A static busybox for the initramfs (this version's guest userland).
     pub busybox: PathBuf,
+    /// The host unix socket egress streams go to (`--egress`), and their log.
+    pub egress: Option<PathBuf>,
+    pub egress_log: Option<PathBuf>,
 }
 
 /// The kernel `images/build-kernel` builds: `$AMVM_KERNEL`, else the `vmlinux` link in the

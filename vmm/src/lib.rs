@@ -9,6 +9,7 @@ pub mod boot;
 pub mod builder;
 pub mod cli;
 pub mod config;
+pub mod control;
 pub mod output;
 pub mod vstate;
 

@@ -567,6 +567,15 @@ fn lock(dev: &Mutex<dyn VirtioDevice>) -> MutexGuard<'_, dyn VirtioDevice + 'sta
     dev.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+impl crate::bus::BusDevice for MmioTransport {
+    fn read(&mut self, offset: u64, data: &mut [u8]) {
+        MmioTransport::read(self, offset, data)
+    }
+    fn write(&mut self, offset: u64, data: &[u8]) {
+        MmioTransport::write(self, offset, data)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

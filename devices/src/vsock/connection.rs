@@ -150,6 +150,9 @@ impl<S: HostStream> Connection<S> {
     pub fn stream_mut(&mut self) -> &mut S {
         &mut self.stream
     }
+    pub fn into_stream(self) -> S {
+        self.stream
+    }
     /// (guest port, host port): the connection's key.
     pub fn ports(&self) -> (u32, u32) {
         (self.guest_port, self.host_port)

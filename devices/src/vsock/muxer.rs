@@ -6,7 +6,7 @@
 //! packet for a connection that does not exist gets RST at once. Packets claiming another
 //! source CID are dropped (the guest cannot speak for anyone else).
 
-use super::connection::{rst_for, Connection, HostStream, Outgoing, State};
+use super::connection::{rst_for, Connection, HostStream, Outgoing, ResetReason, State};
 use super::defs::*;
 use super::packet::{Header, TxPacket};
 use std::collections::{BTreeMap, VecDeque};
@@ -18,8 +18,16 @@ pub trait Backend {
     /// `None`: nothing is published at `port` (the guest gets RST). `Some(Err)`: the port is
     /// published but its endpoint could not be reached (RST too, and the owner is told).
     fn connect(&mut self, port: u32) -> Option<io::Result<Self::Stream>>;
-    /// A connection on `port` ended; `to_host`/`to_guest` are its byte counts.
-    fn closed(&mut self, _port: u32, _to_host: u64, _to_guest: u64) {}
+    /// A connection on `port` ended: its stream, byte counts (to the host, to the guest), and
+    /// why it was reset if it did not close cleanly.
+    fn closed(
+        &mut self,
+        _port: u32,
+        _stream: Self::Stream,
+        _counts: (u64, u64),
+        _error: Option<String>,
+    ) {
+    }
 }
 
 /// (guest port, host port).
@@ -144,8 +152,12 @@ where
             .collect();
         for key in closed {
             if let Some(c) = self.conns.remove(&key) {
-                let (to_host, to_guest) = c.byte_counts();
-                self.backend.closed(key.1, to_host, to_guest);
+                let counts = c.byte_counts();
+                let error = match c.reset_reason() {
+                    None | Some(ResetReason::Closed) => None,
+                    Some(why) => Some(format!("{why:?}")),
+                };
+                self.backend.closed(key.1, c.into_stream(), counts, error);
             }
         }
     }
@@ -183,7 +195,7 @@ mod tests {
     #[derive(Debug, Default)]
     struct Ports {
         published: HashMap<u32, bool>, // port -> reachable
-        closed: Vec<(u32, u64, u64)>,
+        closed: Vec<(u32, (u64, u64), Option<String>)>,
         reply: Vec<u8>,
     }
     impl Backend for Ports {
@@ -200,8 +212,8 @@ mod tests {
                 }
             })
         }
-        fn closed(&mut self, port: u32, h: u64, g: u64) {
-            self.closed.push((port, h, g));
+        fn closed(&mut self, port: u32, _stream: Pipe, counts: (u64, u64), error: Option<String>) {
+            self.closed.push((port, counts, error));
         }
     }
 
@@ -287,7 +299,7 @@ mod tests {
         }
         assert_eq!(ops.last(), Some(&OP_RST));
         assert_eq!(m.connections().count(), 0);
-        assert_eq!(m.backend_mut().closed, vec![(1024, 4, 4)]);
+        assert_eq!(m.backend_mut().closed, vec![(1024, (4, 4), None)]);
     }
 
     #[test]

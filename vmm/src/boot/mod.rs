@@ -102,11 +102,12 @@ pub fn load_initramfs(
     Ok(addr)
 }
 
-/// The kernel command line. Quiet unless the console is shown; `reboot=k` makes the guest's
-/// reboot(2) an i8042 reset (our exit path); `panic=-1` turns a panic into that reset too.
-pub fn cmdline(verbose_console: bool) -> Result<Cmdline, BootError> {
+/// The kernel command line, naming each virtio-mmio device (`virtio_devices`). Quiet unless the
+/// console is shown; `reboot=k` makes the guest's reboot(2) an i8042 reset (our exit path);
+/// `panic=-1` turns a panic into that reset too.
+pub fn cmdline(verbose_console: bool, virtio_devices: &[String]) -> Result<Cmdline, BootError> {
     let mut c = Cmdline::new(layout::CMDLINE_MAX_SIZE).map_err(BootError::Cmdline)?;
-    let base = "console=ttyS0 reboot=k panic=-1 8250.nr_uarts=2 random.trust_cpu=on rdinit=/init";
+    let base = "console=ttyS0 reboot=k panic=-1 8250.nr_uarts=1 random.trust_cpu=on rdinit=/init";
     c.insert_str(base).map_err(BootError::Cmdline)?;
     c.insert_str(if verbose_console {
         "loglevel=7"
@@ -114,6 +115,9 @@ pub fn cmdline(verbose_console: bool) -> Result<Cmdline, BootError> {
         "quiet"
     })
     .map_err(BootError::Cmdline)?;
+    for dev in virtio_devices {
+        c.insert_str(dev).map_err(BootError::Cmdline)?;
+    }
     Ok(c)
 }
 

@@ -3,7 +3,7 @@
 
 use super::kvm::Kvm;
 use crate::arch::x86_64::{cpuid, regs};
-use amvm_devices::bus::PioBus;
+use amvm_devices::bus::Bus;
 use kvm_bindings::{kvm_msr_entry, Msrs};
 use kvm_ioctls::{VcpuExit, VcpuFd};
 
@@ -110,21 +110,16 @@ impl Vcpu {
         Ok(())
     }
 
-    /// Run the guest until it stops. Port I/O goes to `bus`; there are no MMIO devices yet, so
-    /// MMIO reads float to all ones and writes are dropped.
-    pub fn run(mut self, bus: &PioBus) -> Result<VcpuStop, VcpuError> {
+    /// Run the guest until it stops. Port I/O goes to `pio`, MMIO to `mmio` (where nothing
+    /// answers, reads float to all ones and writes are dropped).
+    pub fn run(mut self, pio: &Bus, mmio: &Bus) -> Result<VcpuStop, VcpuError> {
         let id = self.id;
         loop {
             match self.fd.run() {
-                Ok(VcpuExit::IoIn(port, data)) => bus.read(port, data),
-                Ok(VcpuExit::IoOut(port, data)) => bus.write(port, data),
-                Ok(VcpuExit::MmioRead(addr, data)) => {
-                    tracing::trace!("vCPU {id}: MMIO read at {addr:#x} with no device");
-                    data.fill(0xff);
-                }
-                Ok(VcpuExit::MmioWrite(addr, _)) => {
-                    tracing::trace!("vCPU {id}: MMIO write at {addr:#x} with no device");
-                }
+                Ok(VcpuExit::IoIn(port, data)) => pio.read(port.into(), data),
+                Ok(VcpuExit::IoOut(port, data)) => pio.write(port.into(), data),
+                Ok(VcpuExit::MmioRead(addr, data)) => mmio.read(addr, data),
+                Ok(VcpuExit::MmioWrite(addr, data)) => mmio.write(addr, data),
                 Ok(VcpuExit::Shutdown) => return Ok(VcpuStop::Shutdown),
                 Ok(VcpuExit::SystemEvent(kind, _)) => return Ok(VcpuStop::SystemEvent(kind)),
                 Ok(VcpuExit::Hlt) => return Ok(VcpuStop::Halt),

@@ -4,7 +4,7 @@ use super::kvm::Kvm;
 use super::vcpu::Vcpu;
 use crate::arch::x86_64::layout;
 use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
-use kvm_ioctls::VmFd;
+use kvm_ioctls::{IoEventAddress, VmFd};
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -22,6 +22,8 @@ pub enum VmError {
     MemoryRegion(u32, kvm_ioctls::Error),
     #[error("KVM_IRQFD (gsi {0}): {1}")]
     Irqfd(u32, kvm_ioctls::Error),
+    #[error("KVM_IOEVENTFD at {0:#x}: {1}")]
+    Ioeventfd(u64, kvm_ioctls::Error),
     #[error("KVM_CREATE_VCPU {0}: {1}")]
     CreateVcpu(u8, kvm_ioctls::Error),
 }
@@ -69,6 +71,19 @@ impl Vm {
         self.fd
             .register_irqfd(evt, gsi)
             .map_err(|e| VmError::Irqfd(gsi, e))
+    }
+
+    /// A guest write of the 4-byte value `datamatch` at MMIO address `addr` signals `evt`
+    /// inside KVM, without an exit to the VMM (virtio queue notifications).
+    pub fn register_mmio_ioevent(
+        &self,
+        evt: &EventFd,
+        addr: u64,
+        datamatch: u32,
+    ) -> Result<(), VmError> {
+        self.fd
+            .register_ioevent(evt, &IoEventAddress::Mmio(addr), datamatch)
+            .map_err(|e| VmError::Ioeventfd(addr, e))
     }
 
     pub fn create_vcpu(&self, id: u8) -> Result<Vcpu, VmError> {

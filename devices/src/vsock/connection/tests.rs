@@ -148,7 +148,8 @@ impl Guest {
 }
 
 fn drain(conn: &mut Connection<Fake>, g: &mut Guest, max_payload: usize) {
-    for _ in 0..10_000 {
+    // Bounded: at one byte per packet a 1 MiB exchange is a million packets; more means a loop.
+    for _ in 0..2_000_000 {
         match conn.next_for_guest(max_payload) {
             Some(p) => g.take(p),
             None => return,

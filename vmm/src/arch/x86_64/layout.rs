@@ -7,7 +7,7 @@
 //! 0x0009_fc00  MP table (EBDA; not RAM in the memory map, up to 0xa_0000)
 //! 0x0010_0000  kernel (ELF vmlinux, loaded at its physical addresses)
 //! ...          initramfs at the top of low RAM
-//! 0xc000_0000  MMIO gap up to 4 GiB: IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000, TSS 0xfffb_d000
+//! 0xc000_0000  MMIO gap up to 4 GiB: virtio-mmio windows from 0xd000_0000, IOAPIC 0xfec0_0000, LAPIC 0xfee0_0000, TSS 0xfffb_d000
 //! 0x1_0000_0000 RAM above the gap, when the guest has more than 3 GiB
 //! ```
 
@@ -26,6 +26,10 @@ pub const MMIO_GAP_START: u64 = 0xc000_0000;
 pub const MMIO_GAP_END: u64 = 0x1_0000_0000;
 pub const IOAPIC_ADDR: u32 = 0xfec0_0000;
 pub const LAPIC_ADDR: u32 = 0xfee0_0000;
+/// virtio-mmio register windows (4 KiB each) start here, inside the gap.
+pub const VIRTIO_MMIO_START: u64 = 0xd000_0000;
+/// The first IRQ (IOAPIC pin) for virtio devices; ISA devices use 3, 4 and the legacy lines.
+pub const VIRTIO_IRQ_START: u32 = 5;
 /// Three pages KVM needs for its real-mode TSS, inside the gap, clear of the APICs.
 pub const KVM_TSS_ADDRESS: u64 = 0xfffb_d000;
 

@@ -1,0 +1,224 @@
+//! Egress: the workload's streams reach the host's `--egress` socket complete and in order, both
+//! ways, at every size around the boundaries where peers lost bytes (vsock-notes.md), with fast,
+//! slow and pausing readers, in parallel, half-closed, and when the endpoint dies.
+//! Both ends hash what they saw; the test compares the hashes.
+
+use amvm_tests::egress_server::{hex, pattern, EgressServer, Pace};
+use amvm_tests::run_vm;
+use sha2::{Digest, Sha256};
+
+const SIZES: &[usize] = &[
+    1,
+    4095,
+    4096,
+    4097,
+    32767,
+    32768,
+    32769,
+    65535,
+    65536,
+    65537,
+    262143,
+    262144,
+    262145,
+    1 << 20,
+];
+
+/// The guest script prefix: `nc` to the relay's TCP address from the environment.
+const NC: &str = "nc ${AMVM_EGRESS_ADDR%:*} ${AMVM_EGRESS_ADDR#*:}";
+
+fn lines_with(out: &str, prefix: &str) -> Vec<String> {
+    let mut v: Vec<String> = out
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .map(str::to_string)
+        .collect();
+    v.sort();
+    v
+}
+
+/// Guest uploads `n` random bytes per size; returns the guest's "UP n sha" lines and checks the
+/// server saw the same bytes and the guest got the server's hash back.
+fn upload(server: &EgressServer, sizes: &[usize], extra_opts: &[&str]) {
+    let list: Vec<String> = sizes.iter().map(ToString::to_string).collect();
+    let script = format!(
+        "for n in {}; do head -c $n /dev/urandom > /tmp/f; h=$(sha256sum < /tmp/f | cut -d' ' -f1); \
+         echo \"UP $n $h\"; r=$( (echo UP $n; cat /tmp/f) | {NC}); echo \"REPLY $n $r\"; done",
+        list.join(" ")
+    );
+    let mut opts = vec!["--egress", server.path_str()];
+    opts.extend_from_slice(extra_opts);
+    let o = run_vm(&opts, &["sh", "-c", &script]);
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    let guest = lines_with(&out, "UP ");
+    assert_eq!(guest.len(), sizes.len(), "{out}");
+    let mut host = server.records();
+    host.sort();
+    assert_eq!(
+        guest, host,
+        "what the guest sent differs from what the host received"
+    );
+    for line in &guest {
+        let mut w = line.split(' ').skip(1);
+        let (n, h) = (w.next().unwrap(), w.next().unwrap());
+        assert!(
+            out.contains(&format!("REPLY {n} {h}")),
+            "reply for {n} missing or wrong:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn uploads_of_every_boundary_size_arrive_byte_exact() {
+    let server = EgressServer::start("up", Pace::Fast);
+    upload(&server, SIZES, &[]);
+}
+
+#[test]
+fn uploads_survive_a_slow_pausing_reader() {
+    let server = EgressServer::start("slow", Pace::Slow);
+    upload(&server, &[262145, 1 << 20], &[]);
+}
+
+#[test]
+fn a_64_mib_upload_arrives_byte_exact() {
+    let server = EgressServer::start("big", Pace::Fast);
+    upload(&server, &[64 << 20], &[]);
+}
+
+#[test]
+fn downloads_of_every_boundary_size_arrive_byte_exact() {
+    let server = EgressServer::start("down", Pace::Fast);
+    let mut sizes = SIZES.to_vec();
+    sizes.push(64 << 20);
+    let list: Vec<String> = sizes.iter().map(ToString::to_string).collect();
+    let script = format!(
+        "for n in {}; do h=$(echo DOWN $n | {NC} | sha256sum | cut -d' ' -f1); echo \"DOWN $n $h\"; done",
+        list.join(" ")
+    );
+    let o = run_vm(&["--egress", server.path_str()], &["sh", "-c", &script]);
+    assert_eq!(o.code, 0, "{o:?}");
+    let guest = lines_with(&o.stdout_str(), "DOWN ");
+    let mut want: Vec<String> = sizes
+        .iter()
+        .map(|&n| format!("DOWN {n} {}", hex(&Sha256::digest(pattern(n)))))
+        .collect();
+    want.sort();
+    assert_eq!(guest, want);
+    let mut host = server.records();
+    host.sort();
+    assert_eq!(host, want, "the server's own record of what it sent");
+}
+
+#[test]
+fn eight_parallel_streams_each_way() {
+    let server = EgressServer::start("par", Pace::Fast);
+    let script = format!(
+        "for i in 1 2 3 4 5 6 7 8; do ( head -c 262145 /dev/urandom > /tmp/f$i; \
+           echo \"UP 262145 $(sha256sum < /tmp/f$i | cut -d' ' -f1)\" > /tmp/l$i; \
+           (echo UP 262145; cat /tmp/f$i) | {NC} > /dev/null; \
+           echo \"DOWN 1048577 $(echo DOWN 1048577 | {NC} | sha256sum | cut -d' ' -f1)\" >> /tmp/l$i ) & \
+         done; wait; cat /tmp/l*"
+    );
+    let o = run_vm(
+        &["--egress", server.path_str(), "--cpus", "2"],
+        &["sh", "-c", &script],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    let down = format!("DOWN 1048577 {}", hex(&Sha256::digest(pattern(1048577))));
+    assert_eq!(lines_with(&out, "DOWN "), vec![down; 8], "{out}");
+    let mut host: Vec<String> = server
+        .records()
+        .into_iter()
+        .filter(|r| r.starts_with("UP "))
+        .collect();
+    host.sort();
+    assert_eq!(lines_with(&out, "UP "), host);
+}
+
+#[test]
+fn a_half_closed_upload_still_reads_the_whole_reply() {
+    // HTTP/1.0 style: the guest writes, shuts down its write side (nc does at stdin EOF), and
+    // the server answers only after seeing that EOF.
+    let server = EgressServer::start("half", Pace::Fast);
+    let script = format!(
+        "head -c 300000 /dev/urandom > /tmp/f; echo \"UPEOF 300000 $(sha256sum < /tmp/f | cut -d' ' -f1)\"; \
+         r=$( (echo UPEOF; cat /tmp/f) | {NC}); echo \"REPLY $r\""
+    );
+    let o = run_vm(
+        &["--egress", server.path_str(), "--timeout", "120"],
+        &["sh", "-c", &script],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    let host = server.records();
+    assert_eq!(host.len(), 1);
+    // The server counted 6 header bytes ("UPEOF\n") that were not part of the file: strip them.
+    let sent = lines_with(&out, "UPEOF ");
+    assert_eq!(sent.len(), 1, "{out}");
+    let guest_hash = sent[0].rsplit(' ').next().unwrap();
+    let reply = lines_with(&out, "REPLY ");
+    assert_eq!(
+        reply,
+        vec![format!("REPLY {}", host[0].rsplit(' ').next().unwrap())]
+    );
+    assert!(host[0].starts_with("UPEOF 300000 "), "{host:?}");
+    assert_eq!(host[0].rsplit(' ').next().unwrap(), guest_hash);
+}
+
+#[test]
+fn an_endpoint_that_dies_mid_stream_resets_that_stream_only() {
+    let server = EgressServer::start("die", Pace::Fast);
+    let log = server.dir.join("egress.jsonl");
+    let script = format!(
+        "(echo DIE; head -c 2000000 /dev/zero) | {NC} > /tmp/r; echo \"died: $(wc -c < /tmp/r) bytes back\"; \
+         h=$(echo DOWN 4097 | {NC} | sha256sum | cut -d' ' -f1); echo \"DOWN 4097 $h\""
+    );
+    let o = run_vm(
+        &[
+            "--egress",
+            server.path_str(),
+            "--egress-log",
+            log.to_str().unwrap(),
+        ],
+        &["sh", "-c", &script],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    assert!(out.contains("died: 0 bytes back"), "{out}");
+    assert!(
+        out.contains(&format!(
+            "DOWN 4097 {}",
+            hex(&Sha256::digest(pattern(4097)))
+        )),
+        "the next stream works: {out}"
+    );
+    let log = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines.len(), 2, "one JSON line per stream: {log}");
+    assert!(
+        lines.iter().any(|l| l.contains("\"bytes_in\":4097")),
+        "{log}"
+    );
+}
+
+#[test]
+fn no_egress_flag_means_nothing_listens() {
+    let o = run_vm(
+        &[],
+        &[
+            "sh",
+            "-c",
+            "echo \"addr=[$AMVM_EGRESS_ADDR]\"; nc 127.0.0.1 4700 < /dev/null; echo nc=$?",
+        ],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    assert!(out.contains("addr=[]"), "{out}");
+    assert!(
+        !out.contains("nc=0"),
+        "something accepted a connection: {out}"
+    );
+}
