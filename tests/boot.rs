@@ -131,3 +131,17 @@ fn twenty_runs_in_a_row() {
         );
     }
 }
+
+#[test]
+fn a_100_mib_stdout_arrives_complete_and_separate_from_stderr() {
+    // The guest hashes what it writes; the test hashes what arrived.
+    let o = sh("head -c 104857600 /dev/urandom > /tmp/big; sha256sum < /tmp/big | cut -d' ' -f1 >&2; cat /tmp/big; echo done >&2");
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert_eq!(o.stdout.len(), 104_857_600);
+    use sha2::Digest;
+    let got: String = sha2::Sha256::digest(&o.stdout)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(o.stderr, format!("{got}\ndone\n"));
+}
