@@ -189,19 +189,33 @@ pub fn write_rx<M: GuestMemoryBackend>(
     if room < need {
         return Err(PacketError::RxTooSmall { room, need });
     }
-    let mut src = hdr_bytes.iter().chain(data.iter());
+    // Scatter header then payload over the descriptors, slice by slice.
+    let mut parts: [&[u8]; 2] = [&hdr_bytes, data];
     let mut written = 0usize;
-    let mut scratch = Vec::new();
     for desc in descs {
-        let n = (desc.len() as usize).min(need - written);
-        scratch.clear();
-        scratch.extend(src.by_ref().take(n));
-        mem.write_slice(&scratch, desc.addr())
-            .map_err(|_| PacketError::BadAddress {
-                addr: desc.addr().0,
-                len: desc.len(),
-            })?;
-        written += n;
+        let mut room = desc.len() as usize;
+        let mut at = desc.addr();
+        for part in parts.iter_mut() {
+            if room == 0 {
+                break;
+            }
+            let n = part.len().min(room);
+            if n == 0 {
+                continue;
+            }
+            mem.write_slice(&part[..n], at)
+                .map_err(|_| PacketError::BadAddress {
+                    addr: desc.addr().0,
+                    len: desc.len(),
+                })?;
+            *part = &part[n..];
+            at = at.unchecked_add(n as u64);
+            room -= n;
+            written += n;
+        }
+        if written == need {
+            break;
+        }
     }
     Ok(written as u32)
 }
