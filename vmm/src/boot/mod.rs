@@ -104,10 +104,12 @@ pub fn load_initramfs(
 
 /// The kernel command line, naming each virtio-mmio device (`virtio_devices`). Quiet unless the
 /// console is shown; `reboot=k` makes the guest's reboot(2) an i8042 reset (our exit path);
-/// `panic=-1` turns a panic into that reset too.
+/// `panic=-1` turns a panic into that reset too; `no_timer_check` skips the IO-APIC timer probe,
+/// which under a loaded (emulated) host intermittently hung the boot right after "Switch to
+/// symmetric I/O mode" (KVM's in-kernel PIT and IOAPIC are known-good, nothing to probe).
 pub fn cmdline(verbose_console: bool, virtio_devices: &[String]) -> Result<Cmdline, BootError> {
     let mut c = Cmdline::new(layout::CMDLINE_MAX_SIZE).map_err(BootError::Cmdline)?;
-    let base = "console=ttyS0 reboot=k panic=-1 8250.nr_uarts=1 random.trust_cpu=on rdinit=/init";
+    let base = "console=ttyS0 reboot=k panic=-1 8250.nr_uarts=1 random.trust_cpu=on no_timer_check rdinit=/init";
     c.insert_str(base).map_err(BootError::Cmdline)?;
     c.insert_str(if verbose_console {
         "loglevel=7"
