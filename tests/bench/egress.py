@@ -11,6 +11,16 @@ import argparse, os, socket, statistics, subprocess, sys, tempfile, threading, t
 CHUNK = 1 << 20
 
 
+def send_zeros(sock, n):
+    """Send n zero bytes in 1 MiB pieces."""
+    buf = bytes(CHUNK)
+    left = n
+    while left:
+        k = min(left, CHUNK)
+        sock.sendall(buf[:k])
+        left -= k
+
+
 def serve(path, results):
     """Unix socket server: 'SINK' -> read to EOF; 'SOURCE n' -> send n zero bytes."""
     srv = socket.socket(socket.AF_UNIX)
@@ -37,12 +47,7 @@ def serve(path, results):
             results.append(("sink", n, time.perf_counter() - t0))
         else:
             n = int(words[1])
-            buf = bytes(CHUNK)
-            left = n
-            while left:
-                k = min(left, CHUNK)
-                c.sendall(buf[:k])
-                left -= k
+            send_zeros(c, n)
             results.append(("source", n, time.perf_counter() - t0))
         c.close()
 
@@ -69,12 +74,7 @@ def host_pair(n):
     t = threading.Thread(target=reader)
     t0 = time.perf_counter()
     t.start()
-    buf = bytes(CHUNK)
-    left = n
-    while left:
-        k = min(left, CHUNK)
-        a.sendall(buf[:k])
-        left -= k
+    send_zeros(a, n)
     a.shutdown(socket.SHUT_WR)
     t.join()
     dt = time.perf_counter() - t0
