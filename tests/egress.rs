@@ -3,7 +3,7 @@
 //! slow and pausing readers, in parallel, half-closed, and when the endpoint dies.
 //! Both ends hash what they saw; the test compares the hashes.
 
-use amvm_tests::egress_server::{hex, pattern, EgressServer, Pace};
+use amvm_tests::egress_server::{hex, pattern, pattern_sha, EgressServer, Pace};
 use amvm_tests::run_vm;
 use sha2::{Digest, Sha256};
 
@@ -24,8 +24,10 @@ const SIZES: &[usize] = &[
     1 << 20,
 ];
 
-/// The guest script prefix: `nc` to the relay's TCP address from the environment.
+/// The guest's client for the relay's TCP address (from the environment).
 const NC: &str = "nc ${AMVM_EGRESS_ADDR%:*} ${AMVM_EGRESS_ADDR#*:}";
+/// The guest's client for the relay's unix socket (busybox `nc` cannot do unix sockets).
+const UNIX: &str = "amvm-connect unix:$AMVM_EGRESS_SOCK";
 
 fn lines_with(out: &str, prefix: &str) -> Vec<String> {
     let mut v: Vec<String> = out
@@ -39,11 +41,11 @@ fn lines_with(out: &str, prefix: &str) -> Vec<String> {
 
 /// Guest uploads `n` random bytes per size; returns the guest's "UP n sha" lines and checks the
 /// server saw the same bytes and the guest got the server's hash back.
-fn upload(server: &EgressServer, sizes: &[usize], extra_opts: &[&str]) {
+fn upload(server: &EgressServer, sizes: &[usize], client: &str, extra_opts: &[&str]) {
     let list: Vec<String> = sizes.iter().map(ToString::to_string).collect();
     let script = format!(
         "for n in {}; do head -c $n /dev/urandom > /tmp/f; h=$(sha256sum < /tmp/f | cut -d' ' -f1); \
-         echo \"UP $n $h\"; r=$( (echo UP $n; cat /tmp/f) | {NC}); echo \"REPLY $n $r\"; done",
+         echo \"UP $n $h\"; r=$( (echo UP $n; cat /tmp/f) | {client}); echo \"REPLY $n $r\"; done",
         list.join(" ")
     );
     let mut opts = vec!["--egress", server.path_str()];
@@ -72,37 +74,45 @@ fn upload(server: &EgressServer, sizes: &[usize], extra_opts: &[&str]) {
 #[test]
 fn uploads_of_every_boundary_size_arrive_byte_exact() {
     let server = EgressServer::start("up", Pace::Fast);
-    upload(&server, SIZES, &[]);
+    upload(&server, SIZES, NC, &[]);
+}
+
+#[test]
+fn uploads_through_the_guest_unix_socket_arrive_byte_exact() {
+    let server = EgressServer::start("up-unix", Pace::Fast);
+    upload(&server, SIZES, UNIX, &[]);
 }
 
 #[test]
 fn uploads_survive_a_slow_pausing_reader() {
     let server = EgressServer::start("slow", Pace::Slow);
-    upload(&server, &[262145, 1 << 20], &[]);
+    upload(&server, &[262145, 1 << 20], NC, &[]);
+    let server = EgressServer::start("slow-unix", Pace::Slow);
+    upload(&server, &[65537], UNIX, &[]);
 }
 
 #[test]
 fn a_64_mib_upload_arrives_byte_exact() {
     let server = EgressServer::start("big", Pace::Fast);
-    upload(&server, &[64 << 20], &[]);
+    upload(&server, &[64 << 20], NC, &[]);
 }
 
-#[test]
-fn downloads_of_every_boundary_size_arrive_byte_exact() {
-    let server = EgressServer::start("down", Pace::Fast);
-    let mut sizes = SIZES.to_vec();
-    sizes.push(64 << 20);
+/// The guest asks for `DOWN n` per size and hashes what arrives; both ends' hashes must be the
+/// pattern's.
+fn download(server: &EgressServer, sizes: &[usize], client: &str, extra_opts: &[&str]) {
     let list: Vec<String> = sizes.iter().map(ToString::to_string).collect();
     let script = format!(
-        "for n in {}; do h=$(echo DOWN $n | {NC} | sha256sum | cut -d' ' -f1); echo \"DOWN $n $h\"; done",
+        "for n in {}; do h=$(echo DOWN $n | {client} | sha256sum | cut -d' ' -f1); echo \"DOWN $n $h\"; done",
         list.join(" ")
     );
-    let o = run_vm(&["--egress", server.path_str()], &["sh", "-c", &script]);
+    let mut opts = vec!["--egress", server.path_str()];
+    opts.extend_from_slice(extra_opts);
+    let o = run_vm(&opts, &["sh", "-c", &script]);
     assert_eq!(o.code, 0, "{o:?}");
     let guest = lines_with(&o.stdout_str(), "DOWN ");
     let mut want: Vec<String> = sizes
         .iter()
-        .map(|&n| format!("DOWN {n} {}", hex(&Sha256::digest(pattern(n)))))
+        .map(|&n| format!("DOWN {n} {}", pattern_sha(n)))
         .collect();
     want.sort();
     assert_eq!(guest, want);
@@ -112,13 +122,61 @@ fn downloads_of_every_boundary_size_arrive_byte_exact() {
 }
 
 #[test]
+fn downloads_of_every_boundary_size_arrive_byte_exact() {
+    let server = EgressServer::start("down", Pace::Fast);
+    let mut sizes = SIZES.to_vec();
+    sizes.push(64 << 20);
+    download(&server, &sizes, NC, &[]);
+}
+
+#[test]
+fn downloads_through_the_guest_unix_socket_arrive_byte_exact() {
+    let server = EgressServer::start("down-unix", Pace::Fast);
+    download(&server, SIZES, UNIX, &[]);
+}
+
+const GIB: usize = 1 << 30;
+
+#[test]
+fn a_1_gib_download_arrives_byte_exact() {
+    let server = EgressServer::start("gib-down", Pace::Fast);
+    download(&server, &[GIB], NC, &["--timeout", "1500"]);
+}
+
+#[test]
+fn a_1_gib_upload_arrives_byte_exact() {
+    // 64 MiB of random bytes sent 16 times; the guest hashes the whole GiB on its way out (a
+    // fifo to sha256sum beside the relay client), the server hashes what it received.
+    let server = EgressServer::start("gib-up", Pace::Fast);
+    let script = format!(
+        "head -c 67108864 /dev/urandom > /tmp/f; mkfifo /tmp/p; \
+         sha256sum < /tmp/p | cut -d' ' -f1 > /tmp/h & \
+         r=$( (echo UP {GIB}; for i in $(seq 16); do cat /tmp/f; done | tee /tmp/p) | {NC}); \
+         wait; echo \"UP {GIB} $(cat /tmp/h)\"; echo \"REPLY $r\""
+    );
+    let o = run_vm(
+        &["--egress", server.path_str(), "--cpus", "2", "--timeout", "1500"],
+        &["sh", "-c", &script],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    let sent = lines_with(&out, "UP ");
+    assert_eq!(sent.len(), 1, "{out}");
+    assert_eq!(server.records(), sent, "what the host received");
+    let h = sent[0].rsplit(' ').next().unwrap();
+    assert_eq!(lines_with(&out, "REPLY "), vec![format!("REPLY {h}")]);
+}
+
+#[test]
 fn eight_parallel_streams_each_way() {
+    // Four pairs through the TCP address, four through the unix socket, all at once.
     let server = EgressServer::start("par", Pace::Fast);
     let script = format!(
-        "for i in 1 2 3 4 5 6 7 8; do ( head -c 262145 /dev/urandom > /tmp/f$i; \
+        "for i in 1 2 3 4 5 6 7 8; do if [ $i -le 4 ]; then c=\"{NC}\"; else c=\"{UNIX}\"; fi; \
+           ( head -c 262145 /dev/urandom > /tmp/f$i; \
            echo \"UP 262145 $(sha256sum < /tmp/f$i | cut -d' ' -f1)\" > /tmp/l$i; \
-           (echo UP 262145; cat /tmp/f$i) | {NC} > /dev/null; \
-           echo \"DOWN 1048577 $(echo DOWN 1048577 | {NC} | sha256sum | cut -d' ' -f1)\" >> /tmp/l$i ) & \
+           (echo UP 262145; cat /tmp/f$i) | eval $c > /dev/null; \
+           echo \"DOWN 1048577 $(echo DOWN 1048577 | eval $c | sha256sum | cut -d' ' -f1)\" >> /tmp/l$i ) & \
          done; wait; cat /tmp/l*"
     );
     let o = run_vm(
@@ -127,7 +185,7 @@ fn eight_parallel_streams_each_way() {
     );
     assert_eq!(o.code, 0, "{o:?}");
     let out = o.stdout_str();
-    let down = format!("DOWN 1048577 {}", hex(&Sha256::digest(pattern(1048577))));
+    let down = format!("DOWN 1048577 {}", pattern_sha(1048577));
     assert_eq!(lines_with(&out, "DOWN "), vec![down; 8], "{out}");
     let mut host: Vec<String> = server
         .records()
@@ -200,6 +258,37 @@ fn an_endpoint_that_dies_mid_stream_resets_that_stream_only() {
     assert_eq!(lines.len(), 2, "one JSON line per stream: {log}");
     assert!(
         lines.iter().any(|l| l.contains("\"bytes_in\":4097")),
+        "{log}"
+    );
+}
+
+#[test]
+fn every_http_request_of_a_keep_alive_stream_is_logged() {
+    let server = EgressServer::start("http", Pace::Fast);
+    let log = server.dir.join("egress.jsonl");
+    let script = format!(
+        "printf 'POST /v1/messages HTTP/1.1\\r\\nHost: api\\r\\nContent-Length: 5\\r\\n\\r\\nhello\
+         GET /v1/models HTTP/1.1\\r\\nHost: api\\r\\n\\r\\n' | {UNIX}; echo"
+    );
+    let o = run_vm(
+        &[
+            "--egress",
+            server.path_str(),
+            "--egress-log",
+            log.to_str().unwrap(),
+        ],
+        &["sh", "-c", &script],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(o.stdout_str().matches("200 OK").count(), 2, "{o:?}");
+    assert_eq!(server.records(), vec!["HTTP 2".to_string()]);
+    let log = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines.len(), 3, "two request lines and the stream's: {log}");
+    assert!(
+        lines[0].contains("\"http_request\":\"POST /v1/messages HTTP/1.1\"")
+            && lines[1].contains("\"http_request\":\"GET /v1/models HTTP/1.1\"")
+            && lines[2].contains("\"http_requests\":2"),
         "{log}"
     );
 }

@@ -1,13 +1,17 @@
 //! The host side of the guest's egress streams. Every stream the guest opens to the egress port
 //! becomes one connection to the unix socket the user named (`--egress SOCKET`), byte for byte;
 //! this crate opens those connections, counts what each carried, and writes the audit log
-//! (`--egress-log FILE`: one JSON line per stream). It knows unix sockets, never virtio.
+//! (`--egress-log FILE`: one JSON line per HTTP/1.x request as it is sent, and one per stream
+//! when it closes). It knows unix sockets, never virtio.
+
+pub mod http;
 
 use std::fs::File;
 use std::io::{self, Write};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 #[derive(Debug, thiserror::Error)]
@@ -26,8 +30,50 @@ pub enum EgressError {
 #[derive(Debug)]
 pub struct Egress {
     socket: PathBuf,
-    log: Option<(PathBuf, File)>,
+    log: Option<Log>,
     next_id: u64,
+}
+
+/// The audit log, shared by the streams (each writes its request lines as they happen).
+#[derive(Debug, Clone)]
+struct Log(Arc<Mutex<(PathBuf, File)>>);
+
+impl Log {
+    fn line(&self, json: &str) {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (path, f) = &mut *g;
+        if let Err(e) = writeln!(f, "{json}") {
+            tracing::warn!("egress log {}: {e}", path.display());
+        }
+    }
+}
+
+/// One open egress stream's bookkeeping: its id, when it opened, and the HTTP requests seen in
+/// what the guest sent.
+#[derive(Debug)]
+pub struct EgressStream {
+    pub id: u64,
+    pub opened_ms: u128,
+    sniffer: http::HttpSniffer,
+    requests: u64,
+    log: Option<Log>,
+}
+
+impl EgressStream {
+    /// Bytes the guest sent on this stream, as they are forwarded (for the request log).
+    pub fn sent(&mut self, data: &[u8]) {
+        let (id, log, requests) = (self.id, &self.log, &mut self.requests);
+        self.sniffer.feed(data, |line| {
+            *requests += 1;
+            if let Some(log) = log {
+                let mut json =
+                    format!("{{\"stream\":{id},\"at_ms\":{},\"http_request\":", now_ms());
+                json_string(line, &mut json);
+                json.push('}');
+                log.line(&json);
+            }
+        });
+    }
 }
 
 /// One stream's life, as the audit log records it.
@@ -38,8 +84,8 @@ pub struct StreamRecord {
     pub closed_ms: u128,
     pub bytes_out: u64,
     pub bytes_in: u64,
-    /// The first request line, when the stream starts as HTTP/1.x.
-    pub http_request: Option<String>,
+    /// How many HTTP/1.x requests the stream carried (each has its own log line).
+    pub http_requests: u64,
     pub error: Option<String>,
 }
 
@@ -53,14 +99,14 @@ impl Egress {
         }
         UnixStream::connect(socket).map_err(|e| EgressError::Unreachable(socket.to_owned(), e))?;
         let log = match log {
-            Some(p) => Some((
+            Some(p) => Some(Log(Arc::new(Mutex::new((
                 p.to_owned(),
                 std::fs::OpenOptions::new()
                     .create(true)
                     .append(true)
                     .open(p)
                     .map_err(|e| EgressError::Log(p.to_owned(), e))?,
-            )),
+            ))))),
             None => None,
         };
         Ok(Egress {
@@ -70,28 +116,49 @@ impl Egress {
         })
     }
 
-    /// A new stream: a non-blocking connection to the egress socket, and its id.
-    pub fn connect(&mut self) -> io::Result<(u64, UnixStream)> {
+    /// A new stream: a non-blocking connection to the egress socket, and its bookkeeping.
+    pub fn connect(&mut self) -> io::Result<(EgressStream, UnixStream)> {
         let s = UnixStream::connect(&self.socket)?;
         s.set_nonblocking(true)?;
         let id = self.next_id;
         self.next_id += 1;
-        Ok((id, s))
+        let stream = EgressStream {
+            id,
+            opened_ms: now_ms(),
+            sniffer: http::HttpSniffer::default(),
+            requests: 0,
+            log: self.log.clone(),
+        };
+        Ok((stream, s))
     }
 
-    /// Record a finished stream in the audit log (if one was asked for).
-    pub fn record(&mut self, rec: &StreamRecord) {
+    /// A stream ended: `counts` are (bytes the guest sent, bytes it received); `error` says why
+    /// it was reset if it did not close cleanly. Logged, and returned.
+    pub fn close(
+        &mut self,
+        stream: EgressStream,
+        counts: (u64, u64),
+        error: Option<String>,
+    ) -> StreamRecord {
+        let rec = StreamRecord {
+            id: stream.id,
+            opened_ms: stream.opened_ms,
+            closed_ms: now_ms(),
+            bytes_out: counts.0,
+            bytes_in: counts.1,
+            http_requests: stream.requests,
+            error,
+        };
         tracing::debug!(
             "egress stream {}: {} bytes out, {} bytes in",
             rec.id,
             rec.bytes_out,
             rec.bytes_in
         );
-        if let Some((path, f)) = &mut self.log {
-            if let Err(e) = writeln!(f, "{}", rec.to_json()) {
-                tracing::warn!("egress log {}: {e}", path.display());
-            }
+        if let Some(log) = &self.log {
+            log.line(&rec.to_json());
         }
+        rec
     }
 }
 
@@ -103,53 +170,6 @@ pub fn now_ms() -> u128 {
         .unwrap_or(0)
 }
 
-/// Sniffs the start of a guest->host byte stream for an HTTP/1.x request line.
-#[derive(Debug, Default)]
-pub struct RequestLineSniffer {
-    head: Vec<u8>,
-    done: bool,
-    line: Option<String>,
-}
-
-/// Longest request line we look for.
-const MAX_REQUEST_LINE: usize = 8192;
-
-impl RequestLineSniffer {
-    pub fn feed(&mut self, data: &[u8]) {
-        if self.done {
-            return;
-        }
-        let room = MAX_REQUEST_LINE - self.head.len();
-        self.head.extend_from_slice(&data[..data.len().min(room)]);
-        if let Some(end) = self.head.windows(2).position(|w| w == b"\r\n") {
-            self.done = true;
-            self.line = parse_request_line(&self.head[..end]);
-        } else if self.head.len() >= MAX_REQUEST_LINE {
-            self.done = true;
-        }
-    }
-
-    pub fn request_line(&self) -> Option<&str> {
-        self.line.as_deref()
-    }
-}
-
-/// `METHOD SP TARGET SP HTTP/1.x`, tokens of visible ASCII.
-fn parse_request_line(line: &[u8]) -> Option<String> {
-    let s = std::str::from_utf8(line).ok()?;
-    let mut parts = s.split(' ');
-    let (method, target, version) = (parts.next()?, parts.next()?, parts.next()?);
-    let token = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_graphic());
-    if parts.next().is_some()
-        || !token(method)
-        || !token(target)
-        || !method.bytes().all(|b| b.is_ascii_uppercase())
-    {
-        return None;
-    }
-    matches!(version, "HTTP/1.0" | "HTTP/1.1").then(|| s.to_string())
-}
-
 impl StreamRecord {
     /// One JSON object on one line.
     pub fn to_json(&self) -> String {
@@ -157,9 +177,8 @@ impl StreamRecord {
             "{{\"stream\":{},\"opened_ms\":{},\"closed_ms\":{},\"bytes_out\":{},\"bytes_in\":{}",
             self.id, self.opened_ms, self.closed_ms, self.bytes_out, self.bytes_in
         );
-        if let Some(r) = &self.http_request {
-            out.push_str(",\"http_request\":");
-            json_string(r, &mut out);
+        if self.http_requests > 0 {
+            out.push_str(&format!(",\"http_requests\":{}", self.http_requests));
         }
         if let Some(e) = &self.error {
             out.push_str(",\"error\":");
@@ -214,43 +233,29 @@ mod tests {
         let _l = UnixListener::bind(&path).unwrap();
         let log = dir.join("log.jsonl");
         let mut e = Egress::new(&path, Some(&log)).unwrap();
-        let (id, _s) = e.connect().unwrap();
-        assert_eq!(id, 1);
-        e.record(&StreamRecord {
-            id,
-            opened_ms: 1,
-            closed_ms: 2,
-            bytes_out: 3,
-            bytes_in: 4,
-            http_request: Some("GET /\"x\" HTTP/1.1".into()),
-            error: None,
-        });
+        let (mut stream, _s) = e.connect().unwrap();
+        assert_eq!(stream.id, 1);
+        stream.sent(b"GET /\"x\" HTTP/1.1\r\nHost: h\r\n\r\nPOST /y HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi");
+        let rec = e.close(stream, (3, 4), Some("reset".into()));
+        assert_eq!((rec.bytes_out, rec.bytes_in, rec.http_requests), (3, 4, 2));
         let text = std::fs::read_to_string(&log).unwrap();
-        assert_eq!(text, "{\"stream\":1,\"opened_ms\":1,\"closed_ms\":2,\"bytes_out\":3,\"bytes_in\":4,\"http_request\":\"GET /\\\"x\\\" HTTP/1.1\"}\n");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(lines[0].starts_with("{\"stream\":1,\"at_ms\":"), "{text}");
+        assert!(
+            lines[0].ends_with(",\"http_request\":\"GET /\\\"x\\\" HTTP/1.1\"}"),
+            "{text}"
+        );
+        assert!(
+            lines[1].ends_with(",\"http_request\":\"POST /y HTTP/1.1\"}"),
+            "{text}"
+        );
+        let opened = rec.opened_ms;
+        let closed = rec.closed_ms;
+        assert_eq!(
+            lines[2],
+            format!("{{\"stream\":1,\"opened_ms\":{opened},\"closed_ms\":{closed},\"bytes_out\":3,\"bytes_in\":4,\"http_requests\":2,\"error\":\"reset\"}}")
+        );
         std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn request_lines_are_recognised_across_splits() {
-        let mut s = RequestLineSniffer::default();
-        for b in b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n\r\n" {
-            s.feed(std::slice::from_ref(b));
-        }
-        assert_eq!(s.request_line(), Some("POST /v1/messages HTTP/1.1"));
-        for not_http in [
-            &b"\x16\x03\x01 TLS hello\r\n"[..],
-            b"GET / HTTP/2\r\n",
-            b"get / HTTP/1.1\r\n",
-            b"GET  / HTTP/1.1\r\n",
-        ] {
-            let mut s = RequestLineSniffer::default();
-            s.feed(not_http);
-            assert_eq!(
-                s.request_line(),
-                None,
-                "{:?}",
-                String::from_utf8_lossy(not_http)
-            );
-        }
     }
 }

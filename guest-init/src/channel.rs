@@ -1,22 +1,38 @@
 //! The framed control channel to the VMM (see `guest_init::protocol`): a vsock stream to the
-//! host's [`CONTROL_PORT`].
+//! host's [`CONTROL_PORT`]. The VMM's first frame is the run spec; signal frames may follow at
+//! any time; guest-init sends the workload's output and its exit status.
 //!
 //! Ending it is a handshake, so nothing is lost when the guest reboots right after: guest-init
 //! sends the exit frame, shuts down its write side, and waits until the host closes the
 //! stream — which the host does only after it has read every frame.
 
-use guest_init::protocol::{encode_chunks, encode_frame, FrameKind, CONTROL_PORT};
+use guest_init::protocol::{
+    encode_chunks, encode_frame, Direction, Frame, FrameKind, FrameParser, RunSpec, CONTROL_PORT,
+};
 use std::fs::File;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 /// The host's vsock CID.
-const HOST_CID: u32 = 2;
+pub const HOST_CID: u32 = 2;
 
 /// The control stream.
 pub struct Channel {
     sock: File,
     buf: Vec<u8>,
+    parser: FrameParser,
+    /// Signals received and not yet taken.
+    signals: Vec<u8>,
+    /// The host closed its side (or the stream failed): nothing more will come in.
+    closed: bool,
+}
+
+/// What [`Channel::receive`] saw.
+pub enum Incoming {
+    /// Bytes arrived (maybe no whole frame yet).
+    Some,
+    /// The host closed its side or broke the stream.
+    Closed,
 }
 
 impl Channel {
@@ -30,7 +46,77 @@ impl Channel {
         Ok(Channel {
             sock: File::from(sock),
             buf: Vec::with_capacity(64 * 1024),
+            parser: FrameParser::new(Direction::ToGuest),
+            signals: Vec::new(),
+            closed: false,
         })
+    }
+
+    /// Wait for the VMM's first frame, the run spec.
+    pub fn run_spec(&mut self) -> Result<RunSpec, String> {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut spec = None;
+        while spec.is_none() {
+            let n = match self.sock.read(&mut buf) {
+                Ok(0) => {
+                    return Err("the host closed the control channel before the run spec".into())
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("reading the run spec: {e}")),
+            };
+            let signals = &mut self.signals;
+            self.parser
+                .feed(&buf[..n], |f| match f {
+                    Frame::Spec(raw) if spec.is_none() => spec = Some(RunSpec::decode(&raw)),
+                    Frame::Signal(s) => signals.push(s),
+                    _ => {}
+                })
+                .map_err(|e| format!("control channel: {e}"))?;
+        }
+        spec.expect("loop ends with a spec")
+            .map_err(|e| e.to_string())
+    }
+
+    /// The socket, for poll(2): readable means [`Channel::receive`] has something.
+    pub fn fd(&self) -> i32 {
+        self.sock.as_raw_fd()
+    }
+
+    /// Read what the host sent (once poll says it is readable); signals queue up for
+    /// [`Channel::take_signals`].
+    pub fn receive(&mut self) -> Incoming {
+        if self.closed {
+            return Incoming::Closed;
+        }
+        let mut buf = [0u8; 512];
+        match self.sock.read(&mut buf) {
+            Ok(0) | Err(_) => {
+                self.closed = true;
+                Incoming::Closed
+            }
+            Ok(n) => {
+                let signals = &mut self.signals;
+                if self
+                    .parser
+                    .feed(&buf[..n], |f| {
+                        if let Frame::Signal(s) = f {
+                            signals.push(s);
+                        }
+                    })
+                    .is_err()
+                {
+                    self.closed = true;
+                    return Incoming::Closed;
+                }
+                Incoming::Some
+            }
+        }
+    }
+
+    /// Signals the host forwarded, oldest first.
+    pub fn take_signals(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.signals)
     }
 
     pub fn stdout(&mut self, data: &[u8]) {

@@ -1,21 +1,28 @@
 //! amvm's PID 1. Reads like a script: mount what the guest needs, open the channel to the VMM,
-//! read the run spec, run the workload, stream its output, report its exit status, reboot.
+//! receive the run spec, run the workload, stream its output, report its exit status, reboot.
 //!
 //! It never exits: PID 1 leaving would panic the kernel. It ends the VM with `reboot(2)`, which
 //! the kernel (booted with `reboot=k`) turns into an i8042 reset that the VMM treats as "done".
 
 mod channel;
+mod connect;
 mod egress;
 mod mounts;
 mod sys;
 mod workload;
 
-use guest_init::protocol::{RunSpec, SPEC_PATH};
-
 /// Exit status amvm reports when guest-init itself fails.
 const EXIT_INIT_FAILURE: u8 = 125;
 
 fn main() {
+    // The same binary is the workload's `amvm-connect` tool (see connect.rs).
+    let args: Vec<String> = std::env::args().collect();
+    if args
+        .first()
+        .is_some_and(|a| a.rsplit('/').next() == Some("amvm-connect"))
+    {
+        std::process::exit(connect::main(&args[1..]));
+    }
     // Before the channel exists, errors can only go to the kernel console (`amvm run --console`).
     if let Err(e) = mounts::early() {
         eprintln!("guest-init: {e}");
@@ -40,8 +47,7 @@ fn main() {
 }
 
 fn run(chan: &mut channel::Channel) -> Result<u8, String> {
-    let raw = std::fs::read(SPEC_PATH).map_err(|e| format!("reading {SPEC_PATH}: {e}"))?;
-    let mut spec = RunSpec::decode(&raw).map_err(|e| e.to_string())?;
+    let mut spec = chan.run_spec()?;
     mounts::busybox_applets();
     if spec.egress {
         let vars = egress::start().map_err(|e| format!("starting the egress relay: {e}"))?;

@@ -1,32 +1,42 @@
 //! The guest-init <-> VMM protocol.
 //!
-//! Two pieces, both little-endian and length-prefixed:
+//! One vsock stream carries it: guest-init connects to [`CONTROL_PORT`] on the host (CID 2) as
+//! soon as the kernel hands it control. Both directions use the same little-endian frames:
+//! `kind: u8`, `len: u32`, then `len` payload bytes.
 //!
-//! * **Run spec** (VMM -> guest): written by the VMM into the in-memory initramfs at [`SPEC_PATH`].
-//!   Layout: magic [`SPEC_MAGIC`], `uid: u32`, `gid: u32`, `flags: u32` (bit 0: egress relay),
-//!   `cwd: bytes`, `argv: list`, `env: list`,
-//!   where `bytes` is `len: u32` followed by `len` bytes and `list` is `count: u32` followed by
-//!   `count` `bytes`. Environment entries are `KEY=VALUE`.
-//! * **Frames** (guest -> VMM) on the control channel, a vsock stream guest-init opens to
-//!   [`CONTROL_PORT`] on the host:
-//!   `kind: u8`, `len: u32`, then `len` payload bytes, `len <= MAX_FRAME_PAYLOAD`.
-//!   Kinds: [`FrameKind::Stdout`], [`FrameKind::Stderr`] (workload output, in order) and
-//!   [`FrameKind::Exit`] (payload: one byte, the exit status amvm should return).
+//! * VMM -> guest: one [`FrameKind::Spec`] first (the encoded [`RunSpec`], at most
+//!   [`MAX_SPEC_LEN`] bytes), then any number of [`FrameKind::Signal`] (one byte: a signal
+//!   number amvm received and forwards to the workload).
+//! * guest -> VMM: [`FrameKind::Stdout`] and [`FrameKind::Stderr`] (workload output, in order,
+//!   at most [`MAX_FRAME_PAYLOAD`] bytes each) and one [`FrameKind::Exit`] (one byte: the exit
+//!   status amvm returns).
 //!
-//! The VMM treats every byte from the guest as hostile: [`FrameParser`] rejects unknown kinds and
-//! oversized frames instead of trusting them.
+//! With `-i`, the workload's stdin is a second stream, raw bytes on [`STDIN_PORT`] (guest-init
+//! connects to it only when the spec asks): stdin flows under vsock's own credit, and a
+//! workload that does not read its stdin never holds up a signal.
+//!
+//! Run spec layout: magic [`SPEC_MAGIC`], `uid: u32`, `gid: u32`, `flags: u32` (bit 0: egress
+//! relay, bit 1: stdin stream), `cwd: bytes`, `argv: list`, `env: list`, where `bytes` is
+//! `len: u32` followed by `len` bytes and `list` is `count: u32` followed by `count` `bytes`.
+//! Environment entries are `KEY=VALUE`.
+//!
+//! The VMM treats every byte from the guest as hostile: a [`FrameParser`] for
+//! [`Direction::ToHost`] rejects unknown or host-bound-only kinds and oversized frames instead of
+//! trusting them.
 
 /// The vsock port (on the host, CID 2) where guest-init opens the control channel.
 pub const CONTROL_PORT: u32 = 1024;
 /// The vsock port each egress stream connects to.
 pub const EGRESS_PORT: u32 = 1025;
+/// The vsock port of the workload's stdin (published only with `-i`).
+pub const STDIN_PORT: u32 = 1026;
 
-/// Where the run spec sits in the initramfs.
-pub const SPEC_PATH: &str = "/amvm/spec";
 /// First bytes of an encoded run spec (the trailing digit is the version).
-pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC2";
-/// Largest payload one frame may carry.
+pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC3";
+/// Largest payload an output frame may carry.
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
+/// Largest encoded run spec (argv and environment together; Linux allows about 2 MiB).
+pub const MAX_SPEC_LEN: usize = 4 << 20;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 5;
 /// Upper bound on the number of argv/env entries a spec may hold.
@@ -49,8 +59,12 @@ pub enum ProtocolError {
     UnknownFrameKind(u8),
     #[error("frame of {0} bytes exceeds the {MAX_FRAME_PAYLOAD}-byte limit")]
     FrameTooLarge(usize),
-    #[error("exit frame with a {0}-byte payload (want 1)")]
-    BadExitFrame(usize),
+    #[error("{0:?} frame with a {1}-byte payload (want 1)")]
+    BadByteFrame(FrameKind, usize),
+    #[error("{0:?} frame in the wrong direction")]
+    WrongDirection(FrameKind),
+    #[error("run spec of {0} bytes exceeds the {MAX_SPEC_LEN}-byte limit")]
+    SpecTooLarge(usize),
 }
 
 /// What the workload is and how to run it.
@@ -64,9 +78,12 @@ pub struct RunSpec {
     pub gid: u32,
     /// Run the egress relay (the host has an egress socket).
     pub egress: bool,
+    /// The workload's stdin is the [`STDIN_PORT`] stream (`-i`); otherwise /dev/null.
+    pub stdin: bool,
 }
 
 const FLAG_EGRESS: u32 = 1;
+const FLAG_STDIN: u32 = 2;
 
 impl RunSpec {
     /// Serialize to the layout in the module docs.
@@ -75,7 +92,8 @@ impl RunSpec {
         out.extend_from_slice(SPEC_MAGIC);
         out.extend_from_slice(&self.uid.to_le_bytes());
         out.extend_from_slice(&self.gid.to_le_bytes());
-        let flags = if self.egress { FLAG_EGRESS } else { 0 };
+        let flags =
+            if self.egress { FLAG_EGRESS } else { 0 } | if self.stdin { FLAG_STDIN } else { 0 };
         out.extend_from_slice(&flags.to_le_bytes());
         put_bytes(&mut out, &self.cwd);
         for list in [&self.argv, &self.env] {
@@ -112,6 +130,7 @@ impl RunSpec {
             uid,
             gid,
             egress: flags & FLAG_EGRESS != 0,
+            stdin: flags & FLAG_STDIN != 0,
         })
     }
 }
@@ -151,13 +170,47 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Frame kinds on the guest -> VMM channel.
+/// Frame kinds; each belongs to one [`Direction`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub enum FrameKind {
     Stdout = 1,
     Stderr = 2,
     Exit = 3,
+    Spec = 16,
+    Signal = 17,
+}
+
+/// Which way frames flow; a parser accepts only its direction's kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// guest -> VMM: Stdout, Stderr, Exit.
+    ToHost,
+    /// VMM -> guest: Spec, Signal.
+    ToGuest,
+}
+
+impl FrameKind {
+    fn direction(self) -> Direction {
+        match self {
+            FrameKind::Stdout | FrameKind::Stderr | FrameKind::Exit => Direction::ToHost,
+            FrameKind::Spec | FrameKind::Signal => Direction::ToGuest,
+        }
+    }
+
+    /// Check a header's length against what this kind may carry.
+    fn check_len(self, len: usize) -> Result<(), ProtocolError> {
+        match self {
+            FrameKind::Stdout | FrameKind::Stderr if len > MAX_FRAME_PAYLOAD => {
+                Err(ProtocolError::FrameTooLarge(len))
+            }
+            FrameKind::Spec if len > MAX_SPEC_LEN => Err(ProtocolError::SpecTooLarge(len)),
+            FrameKind::Exit | FrameKind::Signal if len != 1 => {
+                Err(ProtocolError::BadByteFrame(self, len))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 impl TryFrom<u8> for FrameKind {
@@ -167,17 +220,20 @@ impl TryFrom<u8> for FrameKind {
             1 => Ok(FrameKind::Stdout),
             2 => Ok(FrameKind::Stderr),
             3 => Ok(FrameKind::Exit),
+            16 => Ok(FrameKind::Spec),
+            17 => Ok(FrameKind::Signal),
             other => Err(ProtocolError::UnknownFrameKind(other)),
         }
     }
 }
 
-/// Append one frame (header and payload) to `out`. Panics only on a caller bug: a payload over
-/// [`MAX_FRAME_PAYLOAD`] (use [`encode_chunks`] for arbitrary data).
+/// Append one frame (header and payload) to `out`. Panics only on a caller bug: a payload its
+/// kind may not carry (use [`encode_chunks`] for arbitrary output data).
 pub fn encode_frame(kind: FrameKind, payload: &[u8], out: &mut Vec<u8>) {
     assert!(
-        payload.len() <= MAX_FRAME_PAYLOAD,
-        "frame payload too large"
+        kind.check_len(payload.len()).is_ok(),
+        "{kind:?} frame payload of {} bytes",
+        payload.len()
     );
     out.push(kind as u8);
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
@@ -197,12 +253,15 @@ pub enum Frame {
     Stdout(Vec<u8>),
     Stderr(Vec<u8>),
     Exit(u8),
+    Spec(Vec<u8>),
+    Signal(u8),
 }
 
-/// Incremental frame decoder: bytes go in as they arrive (one at a time from a UART, or in
-/// bursts), whole frames come out. After an error it stays failed: the stream is desynchronized.
-#[derive(Debug, Default)]
+/// Incremental frame decoder: bytes go in as they arrive (in any pieces), whole frames come out.
+/// After an error it stays failed: the stream is desynchronized.
+#[derive(Debug)]
 pub struct FrameParser {
+    direction: Direction,
     header: Vec<u8>,
     payload: Vec<u8>,
     want: Option<(FrameKind, usize)>,
@@ -210,8 +269,14 @@ pub struct FrameParser {
 }
 
 impl FrameParser {
-    pub fn new() -> Self {
-        Self::default()
+    pub fn new(direction: Direction) -> Self {
+        FrameParser {
+            direction,
+            header: Vec::with_capacity(FRAME_HEADER_LEN),
+            payload: Vec::new(),
+            want: None,
+            failed: None,
+        }
     }
 
     /// Feed `data`; call `on_frame` for each frame completed by it.
@@ -233,13 +298,10 @@ impl FrameParser {
                         let h = std::mem::take(&mut self.header);
                         let len = u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as usize;
                         let parsed = FrameKind::try_from(h[0]).and_then(|k| {
-                            if len > MAX_FRAME_PAYLOAD {
-                                Err(ProtocolError::FrameTooLarge(len))
-                            } else if k == FrameKind::Exit && len != 1 {
-                                Err(ProtocolError::BadExitFrame(len))
-                            } else {
-                                Ok(k)
+                            if k.direction() != self.direction {
+                                return Err(ProtocolError::WrongDirection(k));
                             }
+                            k.check_len(len).map(|()| k)
                         });
                         match parsed {
                             Ok(kind) => self.want = Some((kind, len)),
@@ -251,6 +313,7 @@ impl FrameParser {
                     }
                 }
                 Some((_, len)) => {
+                    // Grow with the bytes that actually arrive, never by the header's claim.
                     let n = (len - self.payload.len()).min(data.len());
                     self.payload.extend_from_slice(&data[..n]);
                     data = &data[n..];
@@ -264,6 +327,8 @@ impl FrameParser {
                         FrameKind::Stdout => Frame::Stdout(p),
                         FrameKind::Stderr => Frame::Stderr(p),
                         FrameKind::Exit => Frame::Exit(p[0]),
+                        FrameKind::Spec => Frame::Spec(p),
+                        FrameKind::Signal => Frame::Signal(p[0]),
                     });
                 }
             }
@@ -289,6 +354,7 @@ mod tests {
             uid: 1000,
             gid: 1001,
             egress: true,
+            stdin: false,
         }
     }
 
@@ -341,7 +407,7 @@ mod tests {
         encode_frame(FrameKind::Stdout, b"", &mut stream);
         encode_frame(FrameKind::Exit, &[7], &mut stream);
         for step in [1, 2, 5, 4096, stream.len()] {
-            let mut p = FrameParser::new();
+            let mut p = FrameParser::new(Direction::ToHost);
             let mut got = Vec::new();
             for piece in stream.chunks(step) {
                 p.feed(piece, |f| got.push(f)).unwrap();
@@ -363,7 +429,7 @@ mod tests {
 
     #[test]
     fn hostile_frames_are_rejected_and_stay_rejected() {
-        let mut p = FrameParser::new();
+        let mut p = FrameParser::new(Direction::ToHost);
         assert_eq!(
             p.feed(&[9, 0, 0, 0, 0], |_| {}),
             Err(ProtocolError::UnknownFrameKind(9))
@@ -372,15 +438,61 @@ mod tests {
             .feed(&[1, 0, 0, 0, 0], |_| panic!("frame after error"))
             .is_err());
 
-        let mut p = FrameParser::new();
+        let mut p = FrameParser::new(Direction::ToHost);
         let huge = ((MAX_FRAME_PAYLOAD + 1) as u32).to_le_bytes();
         let r = p.feed(&[1, huge[0], huge[1], huge[2], huge[3]], |_| {});
         assert_eq!(r, Err(ProtocolError::FrameTooLarge(MAX_FRAME_PAYLOAD + 1)));
 
-        let mut p = FrameParser::new();
+        let mut p = FrameParser::new(Direction::ToHost);
         assert_eq!(
             p.feed(&[3, 2, 0, 0, 0], |_| {}),
-            Err(ProtocolError::BadExitFrame(2))
+            Err(ProtocolError::BadByteFrame(FrameKind::Exit, 2))
+        );
+
+        // A guest may not send host-bound kinds, however well formed.
+        for kind in [FrameKind::Spec, FrameKind::Signal] {
+            let mut wire = Vec::new();
+            encode_frame(kind, &[15], &mut wire);
+            let mut p = FrameParser::new(Direction::ToHost);
+            assert_eq!(
+                p.feed(&wire, |_| panic!("accepted")),
+                Err(ProtocolError::WrongDirection(kind))
+            );
+        }
+        let mut p = FrameParser::new(Direction::ToGuest);
+        assert_eq!(
+            p.feed(&[1, 0, 0, 0, 0], |_| {}),
+            Err(ProtocolError::WrongDirection(FrameKind::Stdout))
+        );
+    }
+
+    #[test]
+    fn a_spec_and_signals_reach_the_guest() {
+        let mut wire = Vec::new();
+        let s = RunSpec {
+            stdin: true,
+            ..spec()
+        };
+        encode_frame(FrameKind::Spec, &s.encode(), &mut wire);
+        encode_frame(FrameKind::Signal, &[15], &mut wire);
+        let mut p = FrameParser::new(Direction::ToGuest);
+        let mut got = Vec::new();
+        for b in &wire {
+            p.feed(std::slice::from_ref(b), |f| got.push(f)).unwrap();
+        }
+        let Frame::Spec(raw) = &got[0] else {
+            panic!("{got:?}")
+        };
+        assert_eq!(RunSpec::decode(raw).unwrap(), s);
+        assert_eq!(got[1], Frame::Signal(15));
+        let too_big = ((MAX_SPEC_LEN + 1) as u32).to_le_bytes();
+        let mut p = FrameParser::new(Direction::ToGuest);
+        assert_eq!(
+            p.feed(
+                &[16, too_big[0], too_big[1], too_big[2], too_big[3]],
+                |_| {}
+            ),
+            Err(ProtocolError::SpecTooLarge(MAX_SPEC_LEN + 1))
         );
     }
 }

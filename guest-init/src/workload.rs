@@ -1,13 +1,15 @@
 //! Run the workload: spawn it as the spec's user in its own session, relay its stdout and stderr
-//! to the channel as they arrive, and turn its end into one exit status byte.
+//! to the channel as they arrive, feed it the stdin stream (`-i`), pass on the signals the host
+//! forwards (to its whole process group, as a terminal would), and turn its end into one exit
+//! status byte.
 //!
 //! Exit status (shell convention): its own code; 128+N if signal N killed it; 127 if the command
 //! was not found; 126 if it could not be executed.
 //! When the workload exits, whatever it left running (background children still holding its
 //! pipes) is killed, so the run ends with the workload as it does in a container.
 
-use crate::channel::Channel;
-use guest_init::protocol::RunSpec;
+use crate::channel::{vsock_connect, Channel, HOST_CID};
+use guest_init::protocol::{RunSpec, STDIN_PORT};
 use std::ffi::OsStr;
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
@@ -22,6 +24,8 @@ const REAP_INTERVAL_MS: i32 = 50;
 pub enum WorkloadError {
     #[error("poll: {0}")]
     Poll(io::Error),
+    #[error("connecting the stdin stream (port {STDIN_PORT}): {0}")]
+    Stdin(io::Error),
 }
 
 pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
@@ -37,9 +41,15 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     }
     prepare_home(spec);
     cmd.current_dir(OsStr::from_bytes(&spec.cwd));
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let stdin_stream = if spec.stdin {
+        let sock = vsock_connect(HOST_CID, STDIN_PORT).map_err(WorkloadError::Stdin)?;
+        cmd.stdin(Stdio::piped());
+        Some(std::fs::File::from(sock))
+    } else {
+        cmd.stdin(Stdio::null());
+        None
+    };
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     cmd.uid(spec.uid).gid(spec.gid);
     // SAFETY: the hook runs between fork and exec and only calls setsid(2), which is
     // async-signal-safe and touches no memory of the parent.
@@ -60,6 +70,15 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
         }
     };
     let pid = child.id() as libc::pid_t;
+    if let (Some(mut from), Some(mut to)) = (stdin_stream, child.stdin.take()) {
+        // Its own thread: a workload that does not read stdin must not stall its output. The
+        // copy ends at the host's EOF (then the workload sees EOF) or when the workload is gone.
+        let _ = std::thread::Builder::new()
+            .name("stdin".into())
+            .spawn(move || {
+                let _ = io::copy(&mut from, &mut to);
+            });
+    }
     let out = child.stdout.take().expect("piped stdout");
     let err = child.stderr.take().expect("piped stderr");
     relay(pid, out, err, chan)
@@ -95,6 +114,7 @@ fn relay(
     let mut buf = vec![0u8; 64 * 1024];
     let mut open = [true, true];
     let mut status: Option<u8> = None;
+    let mut chan_open = true;
     loop {
         if status.is_none() {
             status = reap(pid);
@@ -109,7 +129,15 @@ fn relay(
                 return Ok(s);
             }
         }
+        for sig in chan.take_signals() {
+            forward_signal(pid, sig, status.is_some());
+        }
         let mut fds = [
+            libc::pollfd {
+                fd: if chan_open { chan.fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
             libc::pollfd {
                 fd: if open[0] { out.as_raw_fd() } else { -1 },
                 events: libc::POLLIN,
@@ -121,8 +149,8 @@ fn relay(
                 revents: 0,
             },
         ];
-        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, REAP_INTERVAL_MS) };
+        // SAFETY: `fds` is a valid array of three pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 3, REAP_INTERVAL_MS) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -130,7 +158,13 @@ fn relay(
             }
             return Err(WorkloadError::Poll(e));
         }
-        for (i, pfd) in fds.iter().enumerate() {
+        if fds[0].revents != 0 {
+            // Closed or broken: poll keeps reporting it, so stop watching it.
+            if let crate::channel::Incoming::Closed = chan.receive() {
+                chan_open = false;
+            }
+        }
+        for (i, pfd) in fds[1..].iter().enumerate() {
             if !open[i] || pfd.revents == 0 {
                 continue;
             }
@@ -146,6 +180,16 @@ fn relay(
             }
         }
     }
+}
+
+/// Send `sig` to the workload's process group (it leads its own session), unless it is gone.
+fn forward_signal(pid: libc::pid_t, sig: u8, exited: bool) {
+    let sig = libc::c_int::from(sig);
+    if exited || !(1..=64).contains(&sig) {
+        return;
+    }
+    // SAFETY: kill(2) with plain integers; a vanished group gives ESRCH, which is fine.
+    unsafe { libc::kill(-pid, sig) };
 }
 
 /// Reap every exited child (PID 1 inherits orphans); return the workload's status once it exits.

@@ -95,6 +95,23 @@ pub fn run_vm(opts: &[&str], command: &[&str]) -> Outcome {
     amvm(args, &[])
 }
 
+/// Start `amvm run [opts] -- command` with stdin, stdout and stderr piped, for tests that talk
+/// to it while it runs (stdin, signals).
+pub fn spawn_vm(opts: &[&str], command: &[&str]) -> std::process::Child {
+    require_kvm();
+    let mut args: Vec<&str> = vec!["run", "--timeout", RUN_TIMEOUT_SECS];
+    args.extend_from_slice(opts);
+    args.push("--");
+    args.extend_from_slice(command);
+    Command::new(amvm_bin())
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning amvm")
+}
+
 /// `sh -c SCRIPT` in a VM with default options.
 pub fn sh(script: &str) -> Outcome {
     run_vm(&[], &["sh", "-c", script])
@@ -107,6 +124,8 @@ pub fn sh(script: &str) -> Outcome {
 /// * `UPEOF`: the server reads until the client half-closes, then answers the SHA-256.
 /// * `DOWN n`: the server sends n bytes (a fixed pattern) and closes.
 /// * `DIE`: the server closes at once without answering (an endpoint dying mid-stream).
+/// * An HTTP/1.1 request line: the server answers `200 ok` to each request (headers, then a
+///   `Content-Length` body) until the client closes, and records `"HTTP <requests>"`.
 ///
 /// Pacing: `Pace::Slow` reads in 1000-byte pieces with 1 ms pauses and stops for 2 s once;
 /// `Pace::Fast` reads 1 MiB at a time. Every stream's result goes to [`EgressServer::records`]
@@ -136,10 +155,32 @@ pub mod egress_server {
         d.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// The bytes `DOWN n` sends.
+    /// The bytes `DOWN n` sends: `pattern_at(0, n)`.
     pub fn pattern(n: usize) -> Vec<u8> {
-        (0..n).map(|i| (i.wrapping_mul(7) % 251) as u8).collect()
+        pattern_at(0, n)
     }
+
+    /// Bytes `offset..offset+n` of the `DOWN` pattern (it repeats every 251 bytes).
+    pub fn pattern_at(offset: usize, n: usize) -> Vec<u8> {
+        (offset..offset + n)
+            .map(|i| ((i % 251) * 7 % 251) as u8)
+            .collect()
+    }
+
+    /// SHA-256 (hex) of the first `n` bytes of the pattern, computed piecewise.
+    pub fn pattern_sha(n: usize) -> String {
+        let mut h = Sha256::new();
+        let mut off = 0;
+        while off < n {
+            let k = (n - off).min(PIECE);
+            h.update(pattern_at(off, k));
+            off += k;
+        }
+        hex(&h.finalize())
+    }
+
+    /// Pattern pieces are a multiple of the period, so every piece is the same bytes.
+    const PIECE: usize = 251 * 4096;
 
     impl EgressServer {
         pub fn start(name: &str, pace: Pace) -> EgressServer {
@@ -219,16 +260,52 @@ pub mod egress_server {
             }
             ["DOWN", n] => {
                 let n: usize = n.parse().unwrap();
-                let data = pattern(n);
-                let ok = w.write_all(&data).is_ok();
+                let piece = pattern_at(0, PIECE.min(n));
+                let (mut h, mut off, mut ok) = (Sha256::new(), 0, true);
+                while off < n && ok {
+                    let k = (n - off).min(PIECE);
+                    ok = w.write_all(&piece[..k]).is_ok();
+                    h.update(&piece[..k]);
+                    off += k;
+                }
                 recs.lock().unwrap().push(format!(
                     "DOWN {n} {}{}",
-                    hex(&Sha256::digest(&data)),
+                    hex(&h.finalize()),
                     if ok { "" } else { " (write failed)" }
                 ));
             }
             // The endpoint dies mid-stream: close without answering.
             ["DIE"] => recs.lock().unwrap().push("DIE".into()),
+            [_, _, "HTTP/1.1"] => {
+                let mut requests = 0;
+                loop {
+                    // `line` holds this request's request line; read its headers and body.
+                    let mut length = 0usize;
+                    loop {
+                        let mut h = String::new();
+                        if r.read_line(&mut h).unwrap_or(0) == 0 {
+                            break;
+                        }
+                        if h == "\r\n" {
+                            break;
+                        }
+                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap();
+                        }
+                    }
+                    let mut body = vec![0u8; length];
+                    if r.read_exact(&mut body).is_err() {
+                        break;
+                    }
+                    requests += 1;
+                    let _ = w.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+                    line.clear();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        break;
+                    }
+                }
+                recs.lock().unwrap().push(format!("HTTP {requests}"));
+            }
             _ => panic!("egress server: bad request line {line:?}"),
         }
     }

@@ -6,6 +6,7 @@ use crate::arch::x86_64::layout;
 use crate::boot::{self, initramfs};
 use crate::config::RunConfig;
 use crate::output::{ConsoleSink, Report};
+use crate::signals::{self, Signals};
 use crate::vstate::kvm::{Kvm, KvmError};
 use crate::vstate::memory::{self, MemoryError};
 use crate::vstate::vcpu::{BootEntry, VcpuError, VcpuStop};
@@ -15,11 +16,10 @@ use amvm_devices::legacy::{self, EventFdTrigger, ResetLine, Uart};
 use amvm_devices::virtio::{MmioError, MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY};
 use amvm_devices::vsock::device::VsockDevice;
 use amvm_egress::Egress;
-use guest_init::protocol::SPEC_PATH;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +54,10 @@ pub enum RunError {
     Thread(io::Error),
     #[error("timed out after {0} s")]
     Timeout(u64),
+    #[error("setting up signal forwarding: {0}")]
+    Signals(io::Error),
+    #[error("interrupted by {}: {why}", signals::name(*.sig))]
+    Interrupted { sig: i32, why: &'static str },
     #[error("the guest failed: {error}{}", console_note(.console))]
     GuestFailed { error: String, console: String },
     #[error("the guest stopped ({how}) without reporting an exit status{}{}", .protocol.as_ref().map(|p| format!(" (channel: {p})")).unwrap_or_default(), console_note(.console))]
@@ -74,11 +78,30 @@ fn console_note(console: &str) -> String {
     }
 }
 
+impl RunError {
+    /// The exit status amvm ends with: 124 for a timeout, 128+N when signal N ended the run
+    /// before the workload did, 125 for everything else.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            RunError::Timeout(_) => crate::exit::TIMEOUT,
+            RunError::Interrupted { sig, .. } => (128 + sig).clamp(0, 255) as u8,
+            _ => crate::exit::AMVM_FAILURE,
+        }
+    }
+}
+
+/// How long the workload has to exit after amvm forwards it a signal, before amvm tears the VM
+/// down itself (a second signal does that at once).
+const SIGNAL_GRACE: Duration = Duration::from_secs(10);
+
 /// Boot the VM described by `cfg`, run its workload, return the workload's exit status.
 ///
 /// On return the vCPU threads may still be inside KVM_RUN: the caller exits the process.
 pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let deadline = cfg.timeout.map(|t| (Instant::now() + t, t.as_secs()));
+    // Before any thread starts (they inherit the mask): SIGINT/SIGTERM/SIGHUP wait in a
+    // signalfd for the loop below, which forwards them to the workload.
+    let signals = Signals::block().map_err(RunError::Signals)?;
 
     // Host-side inputs first (cheap, and the user's to fix), then KVM.
     let egress = match &cfg.egress {
@@ -112,14 +135,15 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         legacy::I8042_PORTS,
         Arc::new(Mutex::new(reset)),
     )?;
-    let (ports, _control) =
-        crate::control::start(report.clone(), egress).map_err(RunError::Control)?;
+    let (ports, control) =
+        crate::control::start(report.clone(), egress, &cfg.spec.encode(), cfg.spec.stdin)
+            .map_err(RunError::Control)?;
     let vsock = VsockDevice::new(GUEST_CID, ports).map_err(RunError::Vsock)?;
     let vsock_entry = attach_virtio(&vm, &mem, &mut mmio, 0, Arc::new(Mutex::new(vsock)))?;
 
     // Guest memory contents: kernel, then the initramfs above it, then the boot tables.
     let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
-    let initrd = build_initramfs(cfg, &busybox);
+    let initrd = build_initramfs(&busybox);
     let initrd_addr = boot::load_initramfs(&mem, mem_bytes, &kernel, &initrd)?;
     let cmdline = boot::cmdline(cfg.console, &[vsock_entry])?;
     boot::configure_pvh(
@@ -158,8 +182,47 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     // vCPU threads keep using guest memory and the VM until the process exits.
     std::mem::forget((vm, mem));
 
-    if !wait_for(&exit_evt, deadline.map(|d| d.0)).map_err(RunError::EventFd)? {
-        return Err(RunError::Timeout(deadline.map(|d| d.1).unwrap_or_default()));
+    // Wait for the guest to stop; forward signals meanwhile.
+    let epoll = Waiter::new(&exit_evt, &signals).map_err(RunError::EventFd)?;
+    let mut forwarded: Option<(i32, Instant)> = None;
+    loop {
+        let grace_end = forwarded.map(|f| f.1);
+        let until = [deadline.map(|d| d.0), grace_end]
+            .into_iter()
+            .flatten()
+            .min();
+        match epoll.wait(until).map_err(RunError::EventFd)? {
+            Wake::Stopped => break,
+            Wake::Signal => {
+                while let Some(sig) = signals.next().map_err(RunError::Signals)? {
+                    if let Some((first, _)) = forwarded {
+                        tracing::debug!("second signal {sig}: tearing down");
+                        return Err(RunError::Interrupted {
+                            sig: first,
+                            why: "a second signal arrived before the workload exited",
+                        });
+                    }
+                    tracing::debug!("forwarding signal {sig} to the workload");
+                    control.signal(sig);
+                    forwarded = Some((sig, Instant::now() + SIGNAL_GRACE));
+                }
+            }
+            Wake::Time => {
+                if let Some((d, secs)) = deadline {
+                    if Instant::now() >= d {
+                        return Err(RunError::Timeout(secs));
+                    }
+                }
+                if let Some((sig, end)) = forwarded {
+                    if Instant::now() >= end {
+                        return Err(RunError::Interrupted {
+                            sig,
+                            why: "the workload did not exit within 10 s of it",
+                        });
+                    }
+                }
+            }
+        }
     }
 
     let stops = stops.lock().unwrap_or_else(|p| p.into_inner());
@@ -175,6 +238,10 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let report = report.lock().unwrap_or_else(|p| p.into_inner());
     match (report.exit, failure) {
         (Some(code), _) => Ok(code),
+        (None, _) if forwarded.is_some() => Err(RunError::Interrupted {
+            sig: forwarded.map(|f| f.0).unwrap_or_default(),
+            why: "the guest stopped before reporting the workload's status",
+        }),
         (None, Some(error)) => Err(RunError::GuestFailed {
             error,
             console: console.tail(),
@@ -241,46 +308,79 @@ fn read_static_busybox(path: &Path) -> Result<Vec<u8>, RunError> {
     Ok(bytes)
 }
 
-/// guest-init as /init, its run spec, a console node, and busybox with `sh`.
-fn build_initramfs(cfg: &RunConfig, busybox: &[u8]) -> Vec<u8> {
+/// guest-init as /init (and as `amvm-connect`), a console node, and busybox with `sh`.
+fn build_initramfs(busybox: &[u8]) -> Vec<u8> {
     let mut a = initramfs::Archive::new();
     a.dir("dev", 0o755)
         .char_dev("dev/console", 0o600, 5, 1)
         .dir("bin", 0o755)
         .file("bin/busybox", 0o755, busybox)
         .symlink("bin/sh", "busybox")
-        .dir("amvm", 0o700)
-        .file(SPEC_PATH.trim_start_matches('/'), 0o600, &cfg.spec.encode())
+        .symlink("bin/amvm-connect", "/init")
         .file("init", 0o755, crate::GUEST_INIT);
     a.finish()
 }
 
-/// Wait until `evt` fires (true) or `deadline` passes (false).
-fn wait_for(evt: &EventFdTrigger, deadline: Option<Instant>) -> io::Result<bool> {
-    let epoll = Epoll::new()?;
-    use std::os::fd::AsRawFd;
-    epoll.ctl(
-        ControlOperation::Add,
-        evt.0.as_raw_fd(),
-        EpollEvent::new(EventSet::IN, 0),
-    )?;
-    let mut events = [EpollEvent::default(); 1];
-    loop {
-        let timeout_ms = match deadline {
-            None => -1,
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Ok(false);
+/// What ended a wait.
+enum Wake {
+    /// A vCPU stopped or the guest reset: the run is over.
+    Stopped,
+    /// The signalfd is readable.
+    Signal,
+    /// The deadline passed.
+    Time,
+}
+
+/// epoll over the exit event and the signalfd.
+struct Waiter {
+    epoll: Epoll,
+}
+
+impl Waiter {
+    const EXIT: u64 = 0;
+    const SIGNAL: u64 = 1;
+
+    fn new(exit: &EventFdTrigger, signals: &Signals) -> io::Result<Self> {
+        use std::os::fd::AsRawFd;
+        let epoll = Epoll::new()?;
+        for (fd, token) in [
+            (exit.0.as_raw_fd(), Self::EXIT),
+            (signals.as_raw_fd(), Self::SIGNAL),
+        ] {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )?;
+        }
+        Ok(Waiter { epoll })
+    }
+
+    fn wait(&self, until: Option<Instant>) -> io::Result<Wake> {
+        let mut events = [EpollEvent::default(); 2];
+        loop {
+            let timeout_ms = match until {
+                None => -1,
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Ok(Wake::Time);
+                    }
+                    left.as_millis().min(i32::MAX as u128).max(1) as i32
                 }
-                left.as_millis().min(i32::MAX as u128).max(1) as i32
+            };
+            match self.epoll.wait(timeout_ms, &mut events) {
+                Ok(0) => continue,
+                Ok(n) => {
+                    // The run ending wins over a signal that raced with it.
+                    if events[..n].iter().any(|e| e.data() == Self::EXIT) {
+                        return Ok(Wake::Stopped);
+                    }
+                    return Ok(Wake::Signal);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
             }
-        };
-        match epoll.wait(timeout_ms, &mut events) {
-            Ok(0) => continue,
-            Ok(_) => return Ok(true),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
         }
     }
 }

@@ -80,9 +80,6 @@ impl RunArgs {
         if self.system != "host" {
             return Err(ConfigError::NotYetSupported("--system DIR (virtio-fs)"));
         }
-        if self.interactive {
-            return Err(ConfigError::NotYetSupported("-i (stdin over virtio-vsock)"));
-        }
         let (uid, gid) = config::parse_user(&self.user)?;
         let cwd = match self.workdir {
             Some(w) if w.starts_with('/') => w,
@@ -93,6 +90,23 @@ impl RunArgs {
             Some(0) => return Err(ConfigError::Timeout),
             t => t.map(Duration::from_secs),
         };
+        let spec = RunSpec {
+            argv: self
+                .command
+                .into_iter()
+                .map(OsStringExt::into_vec)
+                .collect(),
+            env: config::workload_env(uid, &self.env)?,
+            cwd: cwd.into_bytes(),
+            uid,
+            gid,
+            egress: self.egress.is_some(),
+            stdin: self.interactive,
+        };
+        let len = spec.encode().len();
+        if len > guest_init::protocol::MAX_SPEC_LEN {
+            return Err(ConfigError::SpecTooLarge(len));
+        }
         Ok(RunConfig {
             kernel: match self.kernel {
                 Some(k) => k,
@@ -102,18 +116,7 @@ impl RunArgs {
             cpus: config::check_cpus(self.cpus)?,
             console: self.console,
             timeout,
-            spec: RunSpec {
-                argv: self
-                    .command
-                    .into_iter()
-                    .map(OsStringExt::into_vec)
-                    .collect(),
-                env: config::workload_env(uid, &self.env)?,
-                cwd: cwd.into_bytes(),
-                uid,
-                gid,
-                egress: self.egress.is_some(),
-            },
+            spec,
             egress: self.egress,
             egress_log: self.egress_log,
             busybox: std::env::var_os("AMVM_BUSYBOX")
@@ -161,6 +164,15 @@ mod tests {
             .contains("--cpus 0"));
         assert!(parse(&["amvm", "run", "--timeout", "0", "--", "true"]).is_err());
         assert!(parse(&["amvm", "run", "-w", "rel", "--", "true"]).is_err());
+        let huge = "x".repeat(guest_init::protocol::MAX_SPEC_LEN);
+        let e = parse(&["amvm", "run", "--", "echo", &huge]).unwrap_err();
+        assert!(e.contains("more than the"), "{e}");
+        assert!(
+            parse(&["amvm", "run", "-i", "--", "cat"])
+                .unwrap()
+                .spec
+                .stdin
+        );
         let e = parse(&["amvm", "run", "--workspace", "/x", "--", "true"]).unwrap_err();
         assert!(e.contains("not supported yet"), "{e}");
     }

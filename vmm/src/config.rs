@@ -28,6 +28,8 @@ pub enum ConfigError {
     Timeout,
     #[error("{0} is not supported yet by this version of amvm")]
     NotYetSupported(&'static str),
+    #[error("the command and its environment take {0} bytes, more than the {max} allowed", max = guest_init::protocol::MAX_SPEC_LEN)]
+    SpecTooLarge(usize),
     #[error("no default kernel: set AMVM_KERNEL, AMVM_CACHE or HOME, or pass --kernel")]
     NoDefaultKernel,
 }

@@ -3,21 +3,26 @@
 //! socket (accounted and logged by `amvm-egress`).
 //!
 //! guest-init connects to [`CONTROL_PORT`]; the vsock device hands that stream to one end of a
-//! unix socket pair, and a thread here reads the other end: frames go through
-//! [`ChannelSink`](crate::output::ChannelSink) to our stdout/stderr and the exit status into the
-//! [`Report`]. Once the exit frame is in, the thread closes its end; the guest sees EOF, which
-//! is its signal that everything arrived and it may reboot.
+//! unix socket pair, and two threads here use the other end:
+//! * "control-tx" writes the run spec, then each signal [`Control::signal`] forwards;
+//! * "control" reads frames through [`ChannelSink`](crate::output::ChannelSink) to our
+//!   stdout/stderr and the exit status into the [`Report`]. Once the exit frame is in, it closes
+//!   the stream; the guest sees EOF, which is its signal that everything arrived and it may
+//!   reboot.
+//!
+//! With `-i`, [`STDIN_PORT`] is published too: a "stdin" thread copies our stdin into it and
+//! half-closes at EOF, so the workload reads exactly our stdin and then EOF.
 
 use crate::output::{ChannelSink, Report};
 use amvm_devices::vsock::connection::HostStream;
 use amvm_devices::vsock::muxer::Backend;
-use amvm_egress::{Egress, RequestLineSniffer, StreamRecord};
-use guest_init::protocol::{CONTROL_PORT, EGRESS_PORT};
-use std::io::{self, Write};
+use amvm_egress::{Egress, EgressStream};
+use guest_init::protocol::{encode_frame, FrameKind, CONTROL_PORT, EGRESS_PORT, STDIN_PORT};
+use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 
 /// What the guest's vsock ports connect to: the control channel (once), and, with `--egress`,
 /// a fresh connection to the egress socket per stream.
@@ -25,7 +30,24 @@ use std::thread::JoinHandle;
 pub struct Ports {
     /// The device's end of the control channel, until guest-init connects (once).
     control: Option<UnixStream>,
+    /// The device's end of the stdin stream (`-i` only), until guest-init connects (once).
+    stdin: Option<UnixStream>,
     egress: Option<Egress>,
+}
+
+/// The VMM's side of the control channel: forwards signals to the workload.
+#[derive(Debug)]
+pub struct Control {
+    tx: mpsc::Sender<u8>,
+}
+
+impl Control {
+    /// Forward signal `sig` to the workload (queued behind the run spec; never blocks).
+    pub fn signal(&self, sig: i32) {
+        if let Ok(sig) = u8::try_from(sig) {
+            let _ = self.tx.send(sig);
+        }
+    }
 }
 
 /// A published port's host stream, with the egress bookkeeping when it is an egress stream.
@@ -35,13 +57,6 @@ pub struct PortStream {
     egress: Option<EgressStream>,
 }
 
-#[derive(Debug)]
-struct EgressStream {
-    id: u64,
-    opened_ms: u128,
-    sniffer: RequestLineSniffer,
-}
-
 impl HostStream for PortStream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         io::Read::read(&mut self.sock, buf)
@@ -49,7 +64,7 @@ impl HostStream for PortStream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = io::Write::write(&mut self.sock, buf)?;
         if let Some(e) = &mut self.egress {
-            e.sniffer.feed(&buf[..n]);
+            e.sent(&buf[..n]);
         }
         Ok(n)
     }
@@ -68,25 +83,18 @@ impl Backend for Ports {
     type Stream = PortStream;
 
     fn connect(&mut self, port: u32) -> Option<io::Result<PortStream>> {
+        let once = |slot: &mut Option<UnixStream>, what: &str| {
+            slot.take()
+                .map(|sock| PortStream { sock, egress: None })
+                .ok_or_else(|| {
+                    io::Error::new(io::ErrorKind::AddrInUse, format!("{what} is already open"))
+                })
+        };
         match port {
-            CONTROL_PORT => Some(
-                self.control
-                    .take()
-                    .map(|sock| PortStream { sock, egress: None })
-                    .ok_or_else(|| {
-                        io::Error::new(
-                            io::ErrorKind::AddrInUse,
-                            "the control channel is already open",
-                        )
-                    }),
-            ),
+            CONTROL_PORT => Some(once(&mut self.control, "the control channel")),
+            STDIN_PORT if self.stdin.is_some() => Some(once(&mut self.stdin, "the stdin stream")),
             EGRESS_PORT => self.egress.as_mut().map(|e| {
-                let (id, sock) = e.connect()?;
-                let egress = EgressStream {
-                    id,
-                    opened_ms: amvm_egress::now_ms(),
-                    sniffer: RequestLineSniffer::default(),
-                };
+                let (egress, sock) = e.connect()?;
                 Ok(PortStream {
                     sock,
                     egress: Some(egress),
@@ -104,33 +112,48 @@ impl Backend for Ports {
         error: Option<String>,
     ) {
         if let (Some(e), Some(egress)) = (stream.egress, &mut self.egress) {
-            egress.record(&StreamRecord {
-                id: e.id,
-                opened_ms: e.opened_ms,
-                closed_ms: amvm_egress::now_ms(),
-                bytes_out: counts.0,
-                bytes_in: counts.1,
-                http_request: e.sniffer.request_line().map(str::to_string),
-                error,
-            });
+            egress.close(e, counts, error);
         }
     }
 }
 
-/// Start the control channel's reader; returns the ports for the vsock device.
+/// Start the control channel's threads (and, with `stdin`, the stdin copier); returns the ports
+/// for the vsock device and the handle that forwards signals.
 pub fn start(
     report: Arc<Mutex<Report>>,
     egress: Option<Egress>,
-) -> io::Result<(Ports, JoinHandle<()>)> {
+    spec: &[u8],
+    stdin: bool,
+) -> io::Result<(Ports, Control)> {
     let (mut ours, device_end) = UnixStream::pair()?;
     device_end.set_nonblocking(true)?;
-    let reader = std::thread::Builder::new()
+
+    let mut first = Vec::with_capacity(spec.len() + 8);
+    encode_frame(FrameKind::Spec, spec, &mut first);
+    let (tx, rx) = mpsc::channel::<u8>();
+    let mut writer = ours.try_clone()?;
+    std::thread::Builder::new()
+        .name("control-tx".into())
+        .spawn(move || {
+            if writer.write_all(&first).is_err() {
+                return;
+            }
+            for sig in rx {
+                let mut frame = Vec::with_capacity(8);
+                encode_frame(FrameKind::Signal, &[sig], &mut frame);
+                if writer.write_all(&frame).is_err() {
+                    return;
+                }
+            }
+        })?;
+
+    std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
             let mut sink = ChannelSink::new(io::stdout(), io::stderr(), report.clone());
             let mut buf = vec![0u8; 64 * 1024];
             loop {
-                match io::Read::read(&mut ours, &mut buf) {
+                match Read::read(&mut ours, &mut buf) {
                     Ok(0) => break,
                     Ok(n) => {
                         let _ = sink.write(&buf[..n]);
@@ -145,11 +168,44 @@ pub fn start(
             }
             let _ = ours.shutdown(std::net::Shutdown::Both);
         })?;
+
+    let stdin = if stdin {
+        let (mut ours, device_end) = UnixStream::pair()?;
+        device_end.set_nonblocking(true)?;
+        std::thread::Builder::new()
+            .name("stdin".into())
+            .spawn(move || {
+                let mut input = io::stdin().lock();
+                let mut buf = vec![0u8; 64 * 1024];
+                loop {
+                    match Read::read(&mut input, &mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => {
+                            // The workload is gone (EPIPE): nobody wants the rest.
+                            if ours.write_all(&buf[..n]).is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                        Err(e) => {
+                            tracing::warn!("reading stdin: {e}; the workload sees EOF");
+                            break;
+                        }
+                    }
+                }
+                let _ = ours.shutdown(std::net::Shutdown::Write);
+            })?;
+        Some(device_end)
+    } else {
+        None
+    };
+
     Ok((
         Ports {
             control: Some(device_end),
+            stdin,
             egress,
         },
-        reader,
+        Control { tx },
     ))
 }

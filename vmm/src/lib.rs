@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod output;
+pub mod signals;
 pub mod vstate;
 
 /// The static guest-init binary, built by build.rs, embedded so there is no image to keep in sync.

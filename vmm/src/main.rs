@@ -1,5 +1,6 @@
 //! `amvm`: parse the command line, build one config, run one VM, exit with its status.
-//! amvm's own failures exit 125 with one line on stderr; a timeout exits 124.
+//! amvm's own failures exit 125 with one line on stderr; a timeout exits 124; a signal that
+//! ends the run before the workload does exits 128+N.
 
 use amvm::cli::{Cli, Command};
 use amvm::{builder, exit};
@@ -26,13 +27,9 @@ fn main() -> ExitCode {
     {
         Ok(code) => code,
         Err(e) => {
-            let timeout = matches!(e.downcast_ref(), Some(builder::RunError::Timeout(_)));
             eprintln!("amvm: {e:#}");
-            if timeout {
-                exit::TIMEOUT
-            } else {
-                exit::AMVM_FAILURE
-            }
+            e.downcast_ref::<builder::RunError>()
+                .map_or(exit::AMVM_FAILURE, builder::RunError::exit_code)
         }
     };
     let _ = std::io::stdout().flush();

@@ -1,12 +1,12 @@
-//! Where the guest's UART bytes go on the host.
+//! Where the guest's output goes on the host.
 //!
-//! * COM2 carries guest-init's frames ([`guest_init::protocol`]): [`ChannelSink`] parses them
-//!   (hostile input: a malformed frame ends the channel, never the VMM), writes the workload's
-//!   stdout and stderr to ours, and records its exit status.
+//! * The control channel carries guest-init's frames ([`guest_init::protocol`]): [`ChannelSink`]
+//!   parses them (hostile input: a malformed frame ends the channel, never the VMM), writes the
+//!   workload's stdout and stderr to ours, and records its exit status.
 //! * COM1 is the kernel console: [`ConsoleSink`] shows it with `--console` and always keeps
 //!   its tail, so a guest that dies before reporting can be explained.
 
-use guest_init::protocol::{Frame, FrameParser, ProtocolError};
+use guest_init::protocol::{Direction, Frame, FrameParser, ProtocolError};
 use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
@@ -33,7 +33,7 @@ pub struct ChannelSink<O: Write, E: Write> {
 impl<O: Write, E: Write> ChannelSink<O, E> {
     pub fn new(stdout: O, stderr: E, report: Arc<Mutex<Report>>) -> Self {
         ChannelSink {
-            parser: FrameParser::new(),
+            parser: FrameParser::new(Direction::ToHost),
             stdout,
             stderr,
             report,
@@ -53,6 +53,8 @@ impl<O: Write, E: Write> Write for ChannelSink<O, E> {
                     lock(report).exit.get_or_insert(code);
                     Ok(())
                 }
+                // The ToHost parser never yields these.
+                Frame::Spec(_) | Frame::Signal(_) => Ok(()),
             };
         });
         if let Err(e) = fed {
