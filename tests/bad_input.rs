@@ -156,11 +156,29 @@ fn missing_egress_socket() {
 }
 
 #[test]
-fn later_features_say_not_yet_supported() {
-    for flag in [&["--workspace", "/tmp"][..], &["-i"], &["--system", "/tmp"]] {
-        let mut args = vec!["run"];
-        args.extend_from_slice(flag);
-        args.extend_from_slice(&["--", "true"]);
-        assert_one_line_125(&amvm(&args, &[]), "not supported yet");
+fn bad_shares_are_refused_before_anything_starts() {
+    let dir = std::env::temp_dir().join(format!("amvm-badroot-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("usr")).unwrap();
+    let root = dir.to_str().unwrap().to_string();
+    for (args, says) in [
+        (
+            vec!["run", "--workspace", "/nonexistent/ws", "--", "true"],
+            "--workspace /nonexistent/ws: No such file or directory",
+        ),
+        (
+            vec!["run", "--workspace", "/etc/passwd", "--", "true"],
+            "--workspace /etc/passwd: not a directory",
+        ),
+        (
+            vec!["run", "--system", "/nonexistent/root", "--", "true"],
+            "--system /nonexistent/root: No such file or directory",
+        ),
+        (
+            vec!["run", "--system", &root, "--", "true"],
+            "has no usable /bin/sh",
+        ),
+    ] {
+        assert_one_line_125(&amvm(&args, &[]), says);
     }
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -67,7 +67,12 @@ fn wait_ready(child: &mut Child) -> BufReader<ChildStdout> {
         line.clear();
         if out.read_line(&mut line).unwrap() == 0 {
             let mut err = String::new();
-            child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            child
+                .stderr
+                .take()
+                .unwrap()
+                .read_to_string(&mut err)
+                .unwrap();
             panic!("amvm ended before the workload was ready: {err}");
         }
         if line == "ready\n" {

@@ -41,6 +41,9 @@ impl crate::virtio::Interrupt for EventFdTrigger {
     fn trigger(&self) -> io::Result<()> {
         self.0.write(1)
     }
+    fn eventfd(&self) -> Option<&vmm_sys_util::eventfd::EventFd> {
+        Some(&self.0)
+    }
 }
 
 /// An 8250 UART whose transmitted bytes go to `W`.

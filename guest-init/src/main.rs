@@ -48,7 +48,7 @@ fn main() {
 
 fn run(chan: &mut channel::Channel) -> Result<u8, String> {
     let mut spec = chan.run_spec()?;
-    mounts::busybox_applets();
+    mounts::root(&spec).map_err(|e| format!("building the guest's root: {e}"))?;
     if spec.egress {
         let vars = egress::start().map_err(|e| format!("starting the egress relay: {e}"))?;
         spec.env.extend(

@@ -1,42 +1,136 @@
-//! The guest's file systems: /dev, /proc, /sys, /tmp on the in-memory root.
+//! The guest's file systems. The initramfs holds guest-init alone; everything else is built
+//! here, in two steps:
+//!
+//! * [`early`], before the control channel: /dev (devtmpfs, then the console as our stdio),
+//!   /proc, /sys, /tmp.
+//! * [`root`], from the run spec: the virtio-fs shares read-only (the system's `/usr`, the
+//!   workspace), the merged-/usr links (`/bin` → `usr/bin`, ...), a sealed `/etc` built from the
+//!   spec's files, and tmpfs `/run` and `/home` with size caps.
 
-use crate::sys::mount;
+use crate::sys::{mount, remount_readonly};
+use guest_init::protocol::{Mount, RunSpec, SpecFile};
+use std::ffi::OsStr;
 use std::fs;
 use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-/// Mount the kernel file systems the workload and guest-init need.
+/// Where guest-init appears under other names (`amvm-connect`), last in the workload's PATH.
+pub const TOOLS_DIR: &str = "/amvm/bin";
+
+const NODEV_NOSUID: libc::c_ulong = libc::MS_NOSUID | libc::MS_NODEV;
+
+fn ctx(what: String) -> impl FnOnce(io::Error) -> io::Error {
+    move |e| io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+/// Mount the kernel file systems the workload and guest-init need; make the console our stdio.
 pub fn early() -> io::Result<()> {
-    let nodev_nosuid = libc::MS_NOSUID | libc::MS_NODEV;
-    for (fstype, target, flags) in [
-        ("devtmpfs", "/dev", libc::MS_NOSUID),
-        ("proc", "/proc", nodev_nosuid | libc::MS_NOEXEC),
-        ("sysfs", "/sys", nodev_nosuid | libc::MS_NOEXEC),
-        ("tmpfs", "/tmp", nodev_nosuid),
+    for (fstype, target, flags, data) in [
+        ("devtmpfs", "/dev", libc::MS_NOSUID, None),
+        ("proc", "/proc", NODEV_NOSUID | libc::MS_NOEXEC, None),
+        ("sysfs", "/sys", NODEV_NOSUID | libc::MS_NOEXEC, None),
+        ("tmpfs", "/tmp", NODEV_NOSUID, Some("mode=1777,size=50%")),
     ] {
         fs::create_dir_all(target)?;
-        match mount(fstype, target, fstype, flags) {
-            // The initramfs may already carry a populated /dev (a console node); devtmpfs on top is fine.
-            Ok(()) => {}
-            Err(e) => {
-                return Err(io::Error::new(
-                    e.kind(),
-                    format!("mount {fstype} on {target}: {e}"),
-                ))
-            }
-        }
+        mount(fstype, target, fstype, flags, data)
+            .map_err(ctx(format!("mount {fstype} on {target}")))?;
     }
-    use std::os::unix::fs::PermissionsExt;
-    fs::set_permissions("/tmp", fs::Permissions::from_mode(0o1777))?;
+    console_stdio();
     Ok(())
 }
 
-/// When the initramfs carries busybox, give its applets their names in /bin.
-pub fn busybox_applets() {
-    let busybox = Path::new("/bin/busybox");
-    if busybox.exists() {
-        let _ = std::process::Command::new(busybox)
-            .args(["--install", "-s", "/bin"])
-            .status();
+/// The initramfs has no /dev/console, so the kernel started us without stdio: open it now.
+fn console_stdio() {
+    if let Ok(c) = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/console")
+    {
+        for fd in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors; `c` stays open for the call.
+            unsafe { libc::dup2(c.as_raw_fd(), fd) };
+        }
     }
+}
+
+/// Build the root the workload sees, as the spec describes it.
+pub fn root(spec: &RunSpec) -> io::Result<()> {
+    for Mount { tag, path } in &spec.mounts {
+        let (tag, path) = (
+            String::from_utf8_lossy(tag).into_owned(),
+            String::from_utf8_lossy(path).into_owned(),
+        );
+        fs::create_dir_all(&path)?;
+        mount(
+            &tag,
+            &path,
+            "virtiofs",
+            libc::MS_RDONLY | NODEV_NOSUID,
+            None,
+        )
+        .map_err(ctx(format!("mount virtio-fs {tag:?} on {path}")))?;
+    }
+    // Merged /usr: the classic paths are links into it.
+    for (link, target) in [
+        ("/bin", "usr/bin"),
+        ("/sbin", "usr/sbin"),
+        ("/lib", "usr/lib"),
+        ("/lib64", "usr/lib64"),
+        ("/lib32", "usr/lib32"),
+        ("/libx32", "usr/libx32"),
+    ] {
+        if Path::new("/").join(target).exists() {
+            std::os::unix::fs::symlink(target, link).map_err(ctx(format!("link {link}")))?;
+        }
+    }
+    etc(&spec.files)?;
+    for (target, mode, size) in [("/run", "0755", "64m"), ("/home", "0755", "50%")] {
+        fs::create_dir_all(target)?;
+        let data = format!("mode={mode},size={size}");
+        mount("tmpfs", target, "tmpfs", NODEV_NOSUID, Some(&data))
+            .map_err(ctx(format!("mount tmpfs on {target}")))?;
+    }
+    fs::create_dir_all("/root")?;
+    fs::set_permissions("/root", fs::Permissions::from_mode(0o700))?;
+    fs::create_dir_all("/var")?;
+    std::os::unix::fs::symlink("/tmp", "/var/tmp")?;
+    fs::create_dir_all(TOOLS_DIR)?;
+    std::os::unix::fs::symlink("/init", Path::new(TOOLS_DIR).join("amvm-connect"))?;
+    Ok(())
+}
+
+/// A tmpfs `/etc` holding exactly the spec's files, then remounted read-only.
+fn etc(files: &[SpecFile]) -> io::Result<()> {
+    fs::create_dir_all("/etc")?;
+    mount(
+        "tmpfs",
+        "/etc",
+        "tmpfs",
+        NODEV_NOSUID,
+        Some("mode=0755,size=16m"),
+    )
+    .map_err(ctx("mount tmpfs on /etc".into()))?;
+    for f in files {
+        let path = match f {
+            SpecFile::File { path, .. } | SpecFile::Symlink { path, .. } => {
+                Path::new(OsStr::from_bytes(path))
+            }
+        };
+        if !path.starts_with("/etc/") {
+            continue;
+        }
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent)?;
+        }
+        match f {
+            SpecFile::File { data, .. } => fs::write(path, data)?,
+            SpecFile::Symlink { target, .. } => {
+                std::os::unix::fs::symlink(OsStr::from_bytes(target), path)?
+            }
+        }
+    }
+    remount_readonly("/etc", NODEV_NOSUID).map_err(ctx("seal /etc".into()))
 }

@@ -16,9 +16,11 @@
 //! workload that does not read its stdin never holds up a signal.
 //!
 //! Run spec layout: magic [`SPEC_MAGIC`], `uid: u32`, `gid: u32`, `flags: u32` (bit 0: egress
-//! relay, bit 1: stdin stream), `cwd: bytes`, `argv: list`, `env: list`, where `bytes` is
-//! `len: u32` followed by `len` bytes and `list` is `count: u32` followed by `count` `bytes`.
-//! Environment entries are `KEY=VALUE`.
+//! relay, bit 1: stdin stream), `cwd: bytes`, `argv: list`, `env: list`, `mounts: list`,
+//! `files: list`, where `bytes` is `len: u32` followed by `len` bytes and `list` is
+//! `count: u32` followed by `count` `bytes`. Environment entries are `KEY=VALUE`; a mount is
+//! `TAG NUL PATH` (a virtio-fs tag and where it goes, read-only); a file is `f PATH NUL DATA`
+//! or a symlink `l PATH NUL TARGET` (what guest-init writes into `/etc` before sealing it).
 //!
 //! The VMM treats every byte from the guest as hostile: a [`FrameParser`] for
 //! [`Direction::ToHost`] rejects unknown or host-bound-only kinds and oversized frames instead of
@@ -32,7 +34,7 @@ pub const EGRESS_PORT: u32 = 1025;
 pub const STDIN_PORT: u32 = 1026;
 
 /// First bytes of an encoded run spec (the trailing digit is the version).
-pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC3";
+pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC4";
 /// Largest payload an output frame may carry.
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// Largest encoded run spec (argv and environment together; Linux allows about 2 MiB).
@@ -55,6 +57,8 @@ pub enum ProtocolError {
     TrailingBytes(usize),
     #[error("run spec has an empty argv")]
     EmptyArgv,
+    #[error("run spec has a malformed mount or file entry")]
+    BadEntry,
     #[error("frame of unknown kind {0:#04x}")]
     UnknownFrameKind(u8),
     #[error("frame of {0} bytes exceeds the {MAX_FRAME_PAYLOAD}-byte limit")]
@@ -80,6 +84,64 @@ pub struct RunSpec {
     pub egress: bool,
     /// The workload's stdin is the [`STDIN_PORT`] stream (`-i`); otherwise /dev/null.
     pub stdin: bool,
+    /// virtio-fs shares to mount read-only, in order.
+    pub mounts: Vec<Mount>,
+    /// Files and symlinks for the guest's `/etc`.
+    pub files: Vec<SpecFile>,
+}
+
+/// A virtio-fs share: its tag and its absolute mount point.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mount {
+    pub tag: Vec<u8>,
+    pub path: Vec<u8>,
+}
+
+/// One entry guest-init writes before the workload starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SpecFile {
+    File { path: Vec<u8>, data: Vec<u8> },
+    Symlink { path: Vec<u8>, target: Vec<u8> },
+}
+
+fn split_nul(b: &[u8]) -> Result<(&[u8], &[u8]), ProtocolError> {
+    let i = b
+        .iter()
+        .position(|&c| c == 0)
+        .ok_or(ProtocolError::BadEntry)?;
+    Ok((&b[..i], &b[i + 1..]))
+}
+
+impl Mount {
+    fn encode(&self) -> Vec<u8> {
+        [&self.tag[..], &[0], &self.path[..]].concat()
+    }
+    fn decode(b: &[u8]) -> Result<Self, ProtocolError> {
+        let (tag, path) = split_nul(b)?;
+        Ok(Mount {
+            tag: tag.to_vec(),
+            path: path.to_vec(),
+        })
+    }
+}
+
+impl SpecFile {
+    fn encode(&self) -> Vec<u8> {
+        match self {
+            SpecFile::File { path, data } => [&b"f"[..], path, &[0], data].concat(),
+            SpecFile::Symlink { path, target } => [&b"l"[..], path, &[0], target].concat(),
+        }
+    }
+    fn decode(b: &[u8]) -> Result<Self, ProtocolError> {
+        let (kind, rest) = b.split_first().ok_or(ProtocolError::BadEntry)?;
+        let (path, tail) = split_nul(rest)?;
+        let (path, tail) = (path.to_vec(), tail.to_vec());
+        match kind {
+            b'f' => Ok(SpecFile::File { path, data: tail }),
+            b'l' => Ok(SpecFile::Symlink { path, target: tail }),
+            _ => Err(ProtocolError::BadEntry),
+        }
+    }
 }
 
 const FLAG_EGRESS: u32 = 1;
@@ -96,7 +158,9 @@ impl RunSpec {
             if self.egress { FLAG_EGRESS } else { 0 } | if self.stdin { FLAG_STDIN } else { 0 };
         out.extend_from_slice(&flags.to_le_bytes());
         put_bytes(&mut out, &self.cwd);
-        for list in [&self.argv, &self.env] {
+        let mounts: Vec<Vec<u8>> = self.mounts.iter().map(Mount::encode).collect();
+        let files: Vec<Vec<u8>> = self.files.iter().map(SpecFile::encode).collect();
+        for list in [&self.argv, &self.env, &mounts, &files] {
             out.extend_from_slice(&(list.len() as u32).to_le_bytes());
             for item in list {
                 put_bytes(&mut out, item);
@@ -117,6 +181,16 @@ impl RunSpec {
         let cwd = r.bytes()?.to_vec();
         let argv = r.list()?;
         let env = r.list()?;
+        let mounts = r
+            .list()?
+            .iter()
+            .map(|m| Mount::decode(m))
+            .collect::<Result<_, _>>()?;
+        let files = r
+            .list()?
+            .iter()
+            .map(|f| SpecFile::decode(f))
+            .collect::<Result<_, _>>()?;
         if !r.buf.is_empty() {
             return Err(ProtocolError::TrailingBytes(r.buf.len()));
         }
@@ -131,6 +205,8 @@ impl RunSpec {
             gid,
             egress: flags & FLAG_EGRESS != 0,
             stdin: flags & FLAG_STDIN != 0,
+            mounts,
+            files,
         })
     }
 }
@@ -355,6 +431,20 @@ mod tests {
             gid: 1001,
             egress: true,
             stdin: false,
+            mounts: vec![Mount {
+                tag: b"usr".to_vec(),
+                path: b"/usr".to_vec(),
+            }],
+            files: vec![
+                SpecFile::File {
+                    path: b"/etc/hosts".to_vec(),
+                    data: b"127.0.0.1 localhost\n\0x".to_vec(),
+                },
+                SpecFile::Symlink {
+                    path: b"/etc/alternatives/awk".to_vec(),
+                    target: b"/usr/bin/mawk".to_vec(),
+                },
+            ],
         }
     }
 
@@ -393,6 +483,10 @@ mod tests {
             RunSpec::decode(&raw),
             Err(ProtocolError::TooManyItems(_))
         ));
+        for bad in [&b""[..], b"x/etc/a\0b", b"f/etc/no-nul"] {
+            assert_eq!(SpecFile::decode(bad), Err(ProtocolError::BadEntry));
+        }
+        assert_eq!(Mount::decode(b"no-nul"), Err(ProtocolError::BadEntry));
     }
 
     #[test]

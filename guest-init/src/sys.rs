@@ -3,25 +3,39 @@
 use std::ffi::CString;
 use std::io;
 
-/// mount(2) with no data.
-pub fn mount(source: &str, target: &str, fstype: &str, flags: libc::c_ulong) -> io::Result<()> {
+/// mount(2), with the file system's options as `data`.
+pub fn mount(
+    source: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: Option<&str>,
+) -> io::Result<()> {
     let c = |s: &str| CString::new(s).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput));
     let (src, tgt, fst) = (c(source)?, c(target)?, c(fstype)?);
-    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call; data is NULL.
-    let rc = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            tgt.as_ptr(),
-            fst.as_ptr(),
-            flags,
-            std::ptr::null(),
-        )
-    };
+    let data = data.map(c).transpose()?;
+    let data_ptr = data
+        .as_ref()
+        .map_or(std::ptr::null(), |d| d.as_ptr().cast::<libc::c_void>());
+    // SAFETY: all pointers are valid NUL-terminated strings (or NULL for no data) that outlive
+    // the call.
+    let rc = unsafe { libc::mount(src.as_ptr(), tgt.as_ptr(), fst.as_ptr(), flags, data_ptr) };
     if rc == 0 {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
     }
+}
+
+/// Make the mount at `target` read-only, keeping `flags`.
+pub fn remount_readonly(target: &str, flags: libc::c_ulong) -> io::Result<()> {
+    mount(
+        "none",
+        target,
+        "",
+        libc::MS_REMOUNT | libc::MS_RDONLY | flags,
+        None,
+    )
 }
 
 /// Flush file systems and reset the machine. Never returns.

@@ -93,7 +93,7 @@ def main():
     path = os.path.join(d, "egress.sock")
     results = []
     serve(path, results)
-    nc = "nc ${AMVM_EGRESS_ADDR%:*} ${AMVM_EGRESS_ADDR#*:}"
+    nc = "busybox nc ${AMVM_EGRESS_ADDR%:*} ${AMVM_EGRESS_ADDR#*:}"
     up = f"(echo SINK; head -c {n} /dev/zero) | {nc}"
     down = f"echo SOURCE {n} | {nc} | wc -c"
     times = {"guest -> host (amvm egress)": [], "host -> guest (amvm egress)": [], "unix socket pair (host)": [], "pipe inside the guest": []}

@@ -11,7 +11,7 @@
 #   setup.log                 output of the last apt-get / cargo / depmod steps
 #   kernel/current            "<package> <kernel release>" chosen at first set-up
 #   kernel/<package>/         the .deb and its dpkg -x tree (boot/vmlinuz-*, lib/modules/<release>/ + modules.dep)
-#   virtiofsd/bin/virtiofsd   cargo install --root virtiofsd
+#   (virtiofsd: images/install-virtiofsd, shared with amvm, in $AMVM_CACHE/virtiofsd)
 #   initramfs/<key>.cpio      newc cpio; key = sha256 of init script, this file, kernel release, busybox
 
 KH_PACKAGES=(qemu-system-x86 busybox-static libseccomp-dev libcap-ng-dev kmod cpio)
@@ -97,16 +97,10 @@ kh_moddir() {
 }
 
 kh_setup_virtiofsd() {
-	KH_VIRTIOFSD=$KH_CACHE/virtiofsd/bin/virtiofsd
-	if [[ -x $KH_VIRTIOFSD ]] && [[ $("$KH_VIRTIOFSD" --version 2>/dev/null) == "virtiofsd $KH_VIRTIOFSD_VERSION" ]]; then
-		return 0
-	fi
-	local cargo
-	cargo=$(command -v cargo || echo "$HOME/.cargo/bin/cargo")
-	[[ -x $cargo ]] || kh_fail_setup "cargo not found (needed to build virtiofsd $KH_VIRTIOFSD_VERSION)"
-	kh_step "building virtiofsd $KH_VIRTIOFSD_VERSION (cargo install, 1-3 min)"
-	kh_logged "$cargo" install --locked --force virtiofsd --version "$KH_VIRTIOFSD_VERSION" --root "$KH_CACHE/virtiofsd" ||
-		kh_fail_setup "cargo install virtiofsd"
+	local here=$1
+	KH_VIRTIOFSD=$("$here/../../images/install-virtiofsd") || kh_fail_setup "images/install-virtiofsd"
+	[[ $("$KH_VIRTIOFSD" --version 2>/dev/null) == "virtiofsd $KH_VIRTIOFSD_VERSION" ]] ||
+		kh_fail_setup "$KH_VIRTIOFSD is not virtiofsd $KH_VIRTIOFSD_VERSION"
 }
 
 # The emulated host's initramfs: static busybox, the init script, the modules (uncompressed) and their load order.
@@ -171,7 +165,7 @@ kh_setup() {
 	kh_setup_packages
 	command -v qemu-system-x86_64 >/dev/null || kh_fail_setup "qemu-system-x86_64 not available"
 	kh_setup_kernel
-	kh_setup_virtiofsd
+	kh_setup_virtiofsd "$1"
 	kh_setup_initramfs "$1"
 	exec {lockfd}>&-
 }

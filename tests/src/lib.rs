@@ -99,7 +99,10 @@ pub fn run_vm(opts: &[&str], command: &[&str]) -> Outcome {
 /// to it while it runs (stdin, signals).
 pub fn spawn_vm(opts: &[&str], command: &[&str]) -> std::process::Child {
     require_kvm();
-    let mut args: Vec<&str> = vec!["run", "--timeout", RUN_TIMEOUT_SECS];
+    let mut args: Vec<&str> = vec!["run"];
+    if !opts.contains(&"--timeout") {
+        args.extend_from_slice(&["--timeout", RUN_TIMEOUT_SECS]);
+    }
     args.extend_from_slice(opts);
     args.push("--");
     args.extend_from_slice(command);

@@ -5,6 +5,7 @@
 use crate::arch::x86_64::layout;
 use crate::boot::{self, initramfs};
 use crate::config::RunConfig;
+use crate::fs::Virtiofsd;
 use crate::output::{ConsoleSink, Report};
 use crate::signals::{self, Signals};
 use crate::vstate::kvm::{Kvm, KvmError};
@@ -13,11 +14,11 @@ use crate::vstate::vcpu::{BootEntry, VcpuError, VcpuStop};
 use crate::vstate::vm::{Vm, VmError};
 use amvm_devices::bus::{Bus, BusDevice, BusError};
 use amvm_devices::legacy::{self, EventFdTrigger, ResetLine, Uart};
+use amvm_devices::virtio::fs::VhostUserFs;
 use amvm_devices::virtio::{MmioError, MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY};
 use amvm_devices::vsock::device::VsockDevice;
 use amvm_egress::Egress;
 use std::io;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -36,10 +37,8 @@ pub enum RunError {
     Boot(#[from] boot::BootError),
     #[error(transparent)]
     Bus(#[from] BusError),
-    #[error(
-        "{0}: {1} (install Debian's busybox-static, or point AMVM_BUSYBOX at a static busybox)"
-    )]
-    Busybox(PathBuf, String),
+    #[error(transparent)]
+    Fs(#[from] crate::fs::FsError),
     #[error(transparent)]
     Egress(#[from] amvm_egress::EgressError),
     #[error("virtio-mmio: {0}")]
@@ -109,14 +108,27 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         None => None,
     };
     let kvm = Kvm::open()?;
-    let busybox = read_static_busybox(&cfg.busybox)?;
+    // The shares' backends: each virtiofsd is started and handshaken now, so a share that
+    // cannot be served fails the run before the guest exists. They are killed when `backends`
+    // drops, on every way out of this function (and with amvm's main thread in any case).
+    let mut backends = Vec::with_capacity(cfg.shares.len());
+    let mut fs_devices = Vec::with_capacity(cfg.shares.len());
+    for (tag, dir) in &cfg.shares {
+        let (mut backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir)?;
+        match VhostUserFs::new(tag, stream) {
+            Ok(dev) => fs_devices.push(dev),
+            Err(e) => return Err(backend.failure(e.to_string()).into()),
+        }
+        backends.push(backend);
+    }
 
     let mem_bytes = cfg.mem_mib << 20;
     let mem = memory::create(cfg.mem_mib)?;
     // The irqchip is created with the VM, before any vCPU (KVM requires that order).
     let vm = Vm::new(&kvm, &mem)?;
 
-    // Devices. COM1: kernel console; i8042: the exit path; virtio-vsock: the control channel.
+    // Devices. COM1: kernel console; i8042: the exit path; virtio-vsock: the control channel;
+    // virtio-fs: the shares.
     let exit_evt = EventFdTrigger::new().map_err(RunError::EventFd)?;
     let report = Arc::new(Mutex::new(Report::default()));
     let console = ConsoleSink::new(cfg.console);
@@ -139,13 +151,29 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         crate::control::start(report.clone(), egress, &cfg.spec.encode(), cfg.spec.stdin)
             .map_err(RunError::Control)?;
     let vsock = VsockDevice::new(GUEST_CID, ports).map_err(RunError::Vsock)?;
-    let vsock_entry = attach_virtio(&vm, &mem, &mut mmio, 0, Arc::new(Mutex::new(vsock)))?;
+    let mut virtio_entries = vec![attach_virtio(
+        &vm,
+        &mem,
+        &mut mmio,
+        0,
+        Arc::new(Mutex::new(vsock)),
+    )?];
+    for (i, dev) in fs_devices.into_iter().enumerate() {
+        let slot = 1 + i as u64;
+        virtio_entries.push(attach_virtio(
+            &vm,
+            &mem,
+            &mut mmio,
+            slot,
+            Arc::new(Mutex::new(dev)),
+        )?);
+    }
 
     // Guest memory contents: kernel, then the initramfs above it, then the boot tables.
     let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
-    let initrd = build_initramfs(&busybox);
+    let initrd = build_initramfs();
     let initrd_addr = boot::load_initramfs(&mem, mem_bytes, &kernel, &initrd)?;
-    let cmdline = boot::cmdline(cfg.console, &[vsock_entry])?;
+    let cmdline = boot::cmdline(cfg.console, &virtio_entries)?;
     boot::configure_pvh(
         &mem,
         mem_bytes,
@@ -296,28 +324,11 @@ fn attach_uart<W: io::Write + Send + 'static>(
     Ok(())
 }
 
-fn read_static_busybox(path: &Path) -> Result<Vec<u8>, RunError> {
-    let bytes =
-        std::fs::read(path).map_err(|e| RunError::Busybox(path.to_owned(), e.to_string()))?;
-    if !initramfs::is_static_elf(&bytes) {
-        return Err(RunError::Busybox(
-            path.to_owned(),
-            "not a static x86_64 executable".into(),
-        ));
-    }
-    Ok(bytes)
-}
-
-/// guest-init as /init (and as `amvm-connect`), a console node, and busybox with `sh`.
-fn build_initramfs(busybox: &[u8]) -> Vec<u8> {
+/// guest-init as /init, alone: everything else the guest sees comes over virtio-fs or is
+/// made by guest-init (which also opens the console itself, once devtmpfs is up).
+fn build_initramfs() -> Vec<u8> {
     let mut a = initramfs::Archive::new();
-    a.dir("dev", 0o755)
-        .char_dev("dev/console", 0o600, 5, 1)
-        .dir("bin", 0o755)
-        .file("bin/busybox", 0o755, busybox)
-        .symlink("bin/sh", "busybox")
-        .symlink("bin/amvm-connect", "/init")
-        .file("init", 0o755, crate::GUEST_INIT);
+    a.file("init", 0o755, crate::GUEST_INIT);
     a.finish()
 }
 

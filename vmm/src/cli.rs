@@ -1,7 +1,7 @@
 //! The command line, as ../docs/usage.md and the design's user contract state it.
 
 use crate::config::{self, ConfigError, RunConfig};
-use guest_init::protocol::RunSpec;
+use guest_init::protocol::{Mount, RunSpec};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
@@ -74,18 +74,32 @@ pub struct RunArgs {
 impl RunArgs {
     /// Validate everything that can be checked without touching the host.
     pub fn into_config(self) -> Result<RunConfig, ConfigError> {
-        if self.workspace.is_some() {
-            return Err(ConfigError::NotYetSupported("--workspace (virtio-fs)"));
-        }
-        if self.system != "host" {
-            return Err(ConfigError::NotYetSupported("--system DIR (virtio-fs)"));
-        }
+        let root = config::system_root(&self.system)?;
+        let workspace = self
+            .workspace
+            .as_deref()
+            .map(config::workspace)
+            .transpose()?;
         let (uid, gid) = config::parse_user(&self.user)?;
         let cwd = match self.workdir {
             Some(w) if w.starts_with('/') => w,
             Some(w) => return Err(ConfigError::Workdir(w)),
+            None if workspace.is_some() => config::WORKSPACE_PATH.to_string(),
             None => "/".to_string(),
         };
+        let mut shares = vec![(config::TAG_SYSTEM.to_string(), root.join("usr"))];
+        let mut mounts = vec![Mount {
+            tag: config::TAG_SYSTEM.into(),
+            path: b"/usr".to_vec(),
+        }];
+        if let Some(ws) = workspace {
+            shares.push((config::TAG_WORKSPACE.to_string(), ws));
+            mounts.push(Mount {
+                tag: config::TAG_WORKSPACE.into(),
+                path: config::WORKSPACE_PATH.into(),
+            });
+        }
+        let cache = config::cache_dir().unwrap_or_default();
         let timeout = match self.timeout {
             Some(0) => return Err(ConfigError::Timeout),
             t => t.map(Duration::from_secs),
@@ -102,6 +116,8 @@ impl RunArgs {
             gid,
             egress: self.egress.is_some(),
             stdin: self.interactive,
+            mounts,
+            files: config::etc_files(&root, uid, gid),
         };
         let len = spec.encode().len();
         if len > guest_init::protocol::MAX_SPEC_LEN {
@@ -119,9 +135,8 @@ impl RunArgs {
             spec,
             egress: self.egress,
             egress_log: self.egress_log,
-            busybox: std::env::var_os("AMVM_BUSYBOX")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(config::DEFAULT_BUSYBOX)),
+            shares,
+            virtiofsd: crate::fs::virtiofsd_path(&cache),
         })
     }
 }
@@ -173,7 +188,12 @@ mod tests {
                 .spec
                 .stdin
         );
-        let e = parse(&["amvm", "run", "--workspace", "/x", "--", "true"]).unwrap_err();
-        assert!(e.contains("not supported yet"), "{e}");
+        let e = parse(&["amvm", "run", "--workspace", "/nonexistent", "--", "true"]).unwrap_err();
+        assert!(e.starts_with("--workspace /nonexistent: "), "{e}");
+        let e = parse(&["amvm", "run", "--workspace", "/etc/hostname", "--", "true"]).unwrap_err();
+        assert!(e.contains("not a directory"), "{e}");
+        let c = parse(&["amvm", "run", "--workspace", "/tmp", "--", "true"]).unwrap();
+        assert_eq!(c.spec.cwd, b"/workspace");
+        assert_eq!(c.shares.len(), 2);
     }
 }

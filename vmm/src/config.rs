@@ -2,15 +2,22 @@
 //! runs (the [`RunSpec`] guest-init receives) and how the run is supervised.
 
 use crate::arch::x86_64::mptable;
-use guest_init::protocol::RunSpec;
-use std::path::PathBuf;
+use guest_init::protocol::{RunSpec, SpecFile};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub const MIN_MEM_MIB: u64 = 64;
 pub const MAX_MEM_MIB: u64 = 256 * 1024;
-pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-/// Where the host's static busybox is, until the system root arrives over virtio-fs.
-pub const DEFAULT_BUSYBOX: &str = "/bin/busybox";
+/// The workload's default PATH; the last entry holds amvm's own guest tools (`amvm-connect`).
+pub const DEFAULT_PATH: &str =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin:/amvm/bin";
+/// Where `--workspace` appears in the guest (and the default working directory with it).
+pub const WORKSPACE_PATH: &str = "/workspace";
+/// The virtio-fs tags of the shares.
+pub const TAG_SYSTEM: &str = "system";
+pub const TAG_WORKSPACE: &str = "workspace";
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ConfigError {
@@ -26,12 +33,14 @@ pub enum ConfigError {
     Workdir(String),
     #[error("--timeout 0: the limit must be at least 1 second")]
     Timeout,
-    #[error("{0} is not supported yet by this version of amvm")]
-    NotYetSupported(&'static str),
     #[error("the command and its environment take {0} bytes, more than the {max} allowed", max = guest_init::protocol::MAX_SPEC_LEN)]
     SpecTooLarge(usize),
     #[error("no default kernel: set AMVM_KERNEL, AMVM_CACHE or HOME, or pass --kernel")]
     NoDefaultKernel,
+    #[error("--workspace {0}: {1}")]
+    Workspace(PathBuf, String),
+    #[error("--system {0}: {1}")]
+    System(PathBuf, String),
 }
 
 /// A validated run.
@@ -44,8 +53,9 @@ pub struct RunConfig {
     pub console: bool,
     pub timeout: Option<Duration>,
     pub spec: RunSpec,
-    /// A static busybox for the initramfs (this version's guest userland).
-    pub busybox: PathBuf,
+    /// virtio-fs shares: (tag, host directory), each served read-only by its own virtiofsd.
+    pub shares: Vec<(String, PathBuf)>,
+    pub virtiofsd: PathBuf,
     /// The host unix socket egress streams go to (`--egress`), and their log.
     pub egress: Option<PathBuf>,
     pub egress_log: Option<PathBuf>,
@@ -57,12 +67,129 @@ pub fn default_kernel() -> Result<PathBuf, ConfigError> {
     if let Some(k) = std::env::var_os("AMVM_KERNEL") {
         return Ok(PathBuf::from(k));
     }
-    let cache = match std::env::var_os("AMVM_CACHE") {
-        Some(c) => PathBuf::from(c),
-        None => PathBuf::from(std::env::var_os("HOME").ok_or(ConfigError::NoDefaultKernel)?)
-            .join(".cache/amvm"),
+    Ok(cache_dir()
+        .ok_or(ConfigError::NoDefaultKernel)?
+        .join("kernel/vmlinux"))
+}
+
+/// amvm's cache: `$AMVM_CACHE`, else `~/.cache/amvm`.
+pub fn cache_dir() -> Option<PathBuf> {
+    match std::env::var_os("AMVM_CACHE") {
+        Some(c) => Some(PathBuf::from(c)),
+        None => Some(PathBuf::from(std::env::var_os("HOME")?).join(".cache/amvm")),
+    }
+}
+
+/// `--workspace DIR`: an existing directory, made absolute.
+pub fn workspace(dir: &Path) -> Result<PathBuf, ConfigError> {
+    let bad = |why: String| ConfigError::Workspace(dir.to_owned(), why);
+    let abs = dir.canonicalize().map_err(|e| bad(e.to_string()))?;
+    if !abs.is_dir() {
+        return Err(bad("not a directory".into()));
+    }
+    Ok(abs)
+}
+
+/// `--system host|DIR`: the root whose `/usr` the guest gets. `host` is `/`; a DIR must be a
+/// merged-/usr root (`bin` a link to `usr/bin`, as Debian has been since 12) with a `/bin/sh`.
+pub fn system_root(system: &str) -> Result<PathBuf, ConfigError> {
+    if system == "host" {
+        return Ok(PathBuf::from("/"));
+    }
+    let dir = Path::new(system);
+    let bad = |why: &str| ConfigError::System(dir.to_owned(), why.to_string());
+    let root = dir.canonicalize().map_err(|e| bad(&e.to_string()))?;
+    if !root.join("usr").is_dir() {
+        return Err(bad("no usr directory: not an unpacked root filesystem"));
+    }
+    let sh = root.join("usr/bin/sh");
+    // `sh` is often a link (to dash or busybox): resolve it inside the root, not on the host.
+    let target = resolve_in(&root, &sh).ok_or_else(|| bad("has no usable /bin/sh"))?;
+    let meta = std::fs::metadata(&target).map_err(|_| bad("has no usable /bin/sh"))?;
+    if !meta.is_file() || meta.permissions().mode() & 0o111 == 0 {
+        return Err(bad("has no usable /bin/sh (not an executable file)"));
+    }
+    for link in ["bin", "sbin", "lib"] {
+        let p = root.join(link);
+        if p.exists() && !p.is_symlink() {
+            return Err(bad(&format!(
+                "/{link} is a directory, not a link into /usr: amvm needs a merged-/usr root"
+            )));
+        }
+    }
+    Ok(root)
+}
+
+/// Follow `path`'s symlinks (at most 16) with absolute targets taken inside `root`.
+fn resolve_in(root: &Path, path: &Path) -> Option<PathBuf> {
+    let mut p = path.to_owned();
+    for _ in 0..16 {
+        match std::fs::read_link(&p) {
+            Ok(t) if t.is_absolute() => p = root.join(t.strip_prefix("/").ok()?),
+            Ok(t) => p = p.parent()?.join(t),
+            Err(_) => return p.exists().then_some(p),
+        }
+    }
+    None
+}
+
+/// The guest's `/etc`: a user database with the workload's user, localhost, name lookup from
+/// files only; from the system root its dynamic-linker cache and the `alternatives` links
+/// (how Debian names `awk`, `nc`, ...); and the host's CA certificates. Nothing else of the
+/// host's `/etc` (no shadow, no keys) reaches the guest.
+pub fn etc_files(root: &Path, uid: u32, gid: u32) -> Vec<SpecFile> {
+    let file = |path: &str, data: Vec<u8>| SpecFile::File {
+        path: path.as_bytes().to_vec(),
+        data,
     };
-    Ok(cache.join("kernel/vmlinux"))
+    let mut passwd = String::from("root:x:0:0:root:/root:/bin/sh\n");
+    let mut group = String::from("root:x:0:\n");
+    if uid != 0 {
+        passwd.push_str(&format!("agent:x:{uid}:{gid}:agent:/home/agent:/bin/sh\n"));
+    }
+    if gid != 0 {
+        group.push_str(&format!("agent:x:{gid}:\n"));
+    }
+    passwd.push_str("nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n");
+    group.push_str("nogroup:x:65534:\n");
+    let mut files = vec![
+        file("/etc/passwd", passwd.into_bytes()),
+        file("/etc/group", group.into_bytes()),
+        file(
+            "/etc/hosts",
+            b"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n".to_vec(),
+        ),
+        file(
+            "/etc/nsswitch.conf",
+            b"passwd: files\ngroup: files\nshadow: files\nhosts: files\nnetworks: files\n\
+              protocols: files\nservices: files\n"
+                .to_vec(),
+        ),
+        file("/etc/hostname", b"amvm\n".to_vec()),
+    ];
+    if let Ok(cache) = std::fs::read(root.join("etc/ld.so.cache")) {
+        files.push(file("/etc/ld.so.cache", cache));
+    }
+    if let Ok(dir) = std::fs::read_dir(root.join("etc/alternatives")) {
+        let mut links: Vec<SpecFile> = dir
+            .flatten()
+            .filter_map(|e| {
+                let target = std::fs::read_link(e.path()).ok()?;
+                let mut path = b"/etc/alternatives/".to_vec();
+                path.extend_from_slice(e.file_name().as_bytes());
+                Some(SpecFile::Symlink {
+                    path,
+                    target: target.as_os_str().as_bytes().to_vec(),
+                })
+            })
+            .collect();
+        links.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
+        files.extend(links);
+    }
+    if let Ok(certs) = std::fs::read("/etc/ssl/certs/ca-certificates.crt") {
+        files.push(file("/etc/ssl/certs/ca-certificates.crt", certs));
+    }
+    files
 }
 
 pub fn check_mem(mib: u64) -> Result<u64, ConfigError> {
@@ -151,6 +278,67 @@ mod tests {
             workload_env(0, &["=v".into()]),
             Err(ConfigError::Env("=v".into()))
         );
+    }
+
+    #[test]
+    fn etc_holds_the_user_and_nothing_secret() {
+        let files = etc_files(Path::new("/"), 1000, 1000);
+        let get = |name: &str| {
+            files.iter().find_map(|f| match f {
+                SpecFile::File { path, data } if path == name.as_bytes() => {
+                    Some(String::from_utf8_lossy(data).into_owned())
+                }
+                _ => None,
+            })
+        };
+        assert!(get("/etc/passwd")
+            .unwrap()
+            .contains("agent:x:1000:1000:agent:/home/agent:/bin/sh"));
+        assert!(get("/etc/group").unwrap().contains("agent:x:1000:"));
+        assert!(get("/etc/hosts").unwrap().contains("localhost"));
+        for f in &files {
+            let p = match f {
+                SpecFile::File { path, .. } | SpecFile::Symlink { path, .. } => path,
+            };
+            let p = String::from_utf8_lossy(p);
+            assert!(
+                !p.contains("shadow") && !p.contains("ssh") && !p.contains("private"),
+                "{p}"
+            );
+        }
+    }
+
+    #[test]
+    fn system_roots_are_checked() {
+        assert_eq!(system_root("host"), Ok(PathBuf::from("/")));
+        let e = system_root("/nonexistent-root").unwrap_err();
+        assert!(
+            e.to_string().starts_with("--system /nonexistent-root: "),
+            "{e}"
+        );
+        let dir = std::env::temp_dir().join(format!("amvm-sysroot-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("usr/bin")).unwrap();
+        let e = system_root(dir.to_str().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("no usable /bin/sh"), "{e}");
+        std::os::unix::fs::symlink("/usr/bin/dash", dir.join("usr/bin/sh")).unwrap();
+        std::fs::write(dir.join("usr/bin/dash"), b"#!").unwrap();
+        let e = system_root(dir.to_str().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("not an executable"), "{e}");
+        std::fs::set_permissions(
+            dir.join("usr/bin/dash"),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+        std::fs::create_dir(dir.join("bin")).unwrap();
+        let e = system_root(dir.to_str().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("merged-/usr"), "{e}");
+        std::fs::remove_dir(dir.join("bin")).unwrap();
+        std::os::unix::fs::symlink("usr/bin", dir.join("bin")).unwrap();
+        assert_eq!(
+            system_root(dir.to_str().unwrap()),
+            Ok(dir.canonicalize().unwrap())
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -545,7 +545,7 @@ impl MmioTransport {
         for q in &mut self.queues {
             q.reset();
         }
-        self.interrupt.ack(u32::MAX);
+        self.interrupt.reset();
         // Notifications from before the reset mean nothing to the next activation. The fds are
         // non-blocking: an empty one just says EAGAIN.
         for evt in &self.queue_evts {

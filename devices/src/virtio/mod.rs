@@ -16,11 +16,12 @@
 //! as ioeventfds.
 
 use std::io;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
 
+pub mod fs;
 pub mod mmio;
 #[cfg(test)]
 pub(crate) mod test_utils;
@@ -128,6 +129,11 @@ pub const VIRTIO_F_VERSION_1: u32 = 32;
 /// How a device raises its interrupt line (the VMM implements it with an irqfd).
 pub trait Interrupt: Send + Sync + std::fmt::Debug {
     fn trigger(&self) -> io::Result<()>;
+    /// The event fd that raises the line when written, if it is one (an irqfd): a vhost-user
+    /// backend gets it as its call fd and interrupts the guest without passing through us.
+    fn eventfd(&self) -> Option<&EventFd> {
+        None
+    }
 }
 
 /// A virtio device behind a transport.
@@ -206,6 +212,8 @@ pub enum ActivateError {
 pub struct InterruptStatus {
     status: AtomicU32,
     config_generation: AtomicU32,
+    /// Set while a device's backend raises the line itself (see [`InterruptStatus::backend_line`]).
+    vring_always: AtomicBool,
     line: Arc<dyn Interrupt>,
 }
 
@@ -214,8 +222,25 @@ impl InterruptStatus {
         InterruptStatus {
             status: AtomicU32::new(0),
             config_generation: AtomicU32::new(0),
+            vring_always: AtomicBool::new(false),
             line,
         }
+    }
+
+    /// Hand the line to a backend that raises it directly (vhost-user's call fd): it cannot set
+    /// [`VIRTIO_MMIO_INT_VRING`] first, so from now until [`InterruptStatus::reset`] the register
+    /// always shows that cause, and every interrupt makes the driver look at its used rings (the
+    /// cost of a spurious one: a ring check). `None` if the line is not an event fd.
+    pub fn backend_line(&self) -> Option<&EventFd> {
+        let fd = self.line.eventfd()?;
+        self.vring_always.store(true, Ordering::SeqCst);
+        Some(fd)
+    }
+
+    /// The device was reset: causes cleared, the line ours again.
+    pub fn reset(&self) {
+        self.vring_always.store(false, Ordering::SeqCst);
+        self.status.store(0, Ordering::SeqCst);
     }
 
     /// The device put buffers in a used ring: set [`VIRTIO_MMIO_INT_VRING`] and trigger.
@@ -241,7 +266,12 @@ impl InterruptStatus {
 
     /// The pending causes, as `InterruptStatus` reads.
     pub fn status(&self) -> u32 {
-        self.status.load(Ordering::SeqCst)
+        let always = if self.vring_always.load(Ordering::SeqCst) {
+            VIRTIO_MMIO_INT_VRING
+        } else {
+            0
+        };
+        self.status.load(Ordering::SeqCst) | always
     }
 
     /// The value `ConfigGeneration` reads.

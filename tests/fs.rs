@@ -1,0 +1,329 @@
+//! virtio-fs: the workspace and the system root reach the guest read-only — by the guest's
+//! mount flag and, because a guest kernel is not trusted, refused by the host side (virtiofsd
+//! `--readonly`) when guest root remounts them read-write. Reads are exact; nothing of the
+//! backends outlives a run, however it ends.
+
+use amvm_tests::egress_server::hex;
+use amvm_tests::{amvm, run_vm, spawn_vm, RUN_TIMEOUT_SECS};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+/// A fresh workspace directory under the temp dir, removed on drop.
+struct Workspace(PathBuf);
+
+impl Workspace {
+    fn new(name: &str) -> Workspace {
+        let dir = std::env::temp_dir().join(format!("amvm-ws-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Workspace(dir)
+    }
+    fn path(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+    /// Every entry under the workspace: path -> (kind, mode, content hash).
+    fn snapshot(&self) -> BTreeMap<PathBuf, String> {
+        let mut out = BTreeMap::new();
+        let mut stack = vec![self.0.clone()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                let m = std::fs::symlink_metadata(&p).unwrap();
+                use std::os::unix::fs::PermissionsExt;
+                let what = if m.is_dir() {
+                    stack.push(p.clone());
+                    format!("dir {:o}", m.permissions().mode())
+                } else if m.is_symlink() {
+                    format!("link {:?}", std::fs::read_link(&p).unwrap())
+                } else {
+                    format!(
+                        "file {:o} {}",
+                        m.permissions().mode(),
+                        hex(&Sha256::digest(std::fs::read(&p).unwrap()))
+                    )
+                };
+                out.insert(p, what);
+            }
+        }
+        out
+    }
+}
+
+impl Drop for Workspace {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    // xorshift64*: plenty random for a content check, and fast.
+    let mut x = seed | 1;
+    let mut out = Vec::with_capacity(n + 8);
+    while out.len() < n {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        out.extend_from_slice(&x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes());
+    }
+    out.truncate(n);
+    out
+}
+
+#[test]
+fn a_50_mb_file_reads_exactly() {
+    let ws = Workspace::new("big");
+    let data = random_bytes(50_000_000, 7);
+    std::fs::write(ws.0.join("big.bin"), &data).unwrap();
+    let want = hex(&Sha256::digest(&data));
+    let o = run_vm(
+        &["--workspace", ws.path()],
+        &["sh", "-c", "sha256sum big.bin; stat -c %s big.bin"],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(o.stdout_str(), format!("{want}  big.bin\n50000000\n"));
+}
+
+#[test]
+fn ten_thousand_small_files_list_and_read_correctly() {
+    let ws = Workspace::new("many");
+    let dir = ws.0.join("many");
+    std::fs::create_dir(&dir).unwrap();
+    let mut all = Vec::new();
+    for i in 0..10_000 {
+        let body = format!("file {i}\n");
+        std::fs::write(dir.join(format!("f{i:05}")), &body).unwrap();
+        all.extend_from_slice(body.as_bytes());
+    }
+    let want = hex(&Sha256::digest(&all));
+    // Under the emulated KVM host each file costs a few FUSE round trips of milliseconds:
+    // a longer hang guard.
+    let o = run_vm(
+        &["--workspace", ws.path(), "--timeout", "1500"],
+        &["sh", "-c", "cd many && ls | wc -l && cat f* | sha256sum"],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(o.stdout_str(), format!("10000\n{want}  -\n"));
+}
+
+/// Writes of every kind, one per line: `op rc` (0 = it worked).
+const WRITES: &str = "for op in 'echo x > /workspace/new' 'echo x >> /workspace/a.txt' \
+    'rm /workspace/a.txt' 'mkdir /workspace/d' 'chmod 777 /workspace/a.txt' \
+    'ln -s a.txt /workspace/l' 'mv /workspace/a.txt /workspace/b.txt' 'touch /workspace/a.txt' \
+    'truncate -s 0 /workspace/a.txt' 'echo x > /usr/amvm-test' 'mkdir /usr/lib/amvm-test'; do \
+    if eval \"$op\" 2>/tmp/err; then echo \"WROTE: $op\"; else echo \"refused: $(cat /tmp/err)\"; fi; done";
+
+fn check_all_refused(out: &str) {
+    assert!(!out.contains("WROTE"), "a write went through:\n{out}");
+    assert_eq!(out.matches("refused: ").count(), 11, "{out}");
+    for line in out.lines().filter(|l| l.starts_with("refused")) {
+        assert!(line.contains("Read-only file system"), "not EROFS: {line}");
+    }
+}
+
+#[test]
+fn writes_fail_with_erofs_by_the_mount_flag_and_the_host_tree_is_unchanged() {
+    let ws = Workspace::new("ro");
+    std::fs::write(ws.0.join("a.txt"), b"original\n").unwrap();
+    let before = ws.snapshot();
+    let script = format!(
+        "grep -E ' /(workspace|usr) ' /proc/mounts | cut -d' ' -f2,4 | cut -d, -f1; {WRITES}"
+    );
+    let o = run_vm(&["--workspace", ws.path()], &["sh", "-c", &script]);
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    assert!(
+        out.contains("/usr ro\n") && out.contains("/workspace ro\n"),
+        "{out}"
+    );
+    check_all_refused(&out);
+    assert_eq!(ws.snapshot(), before);
+}
+
+#[test]
+fn guest_root_remounting_read_write_is_still_refused_by_the_host() {
+    let ws = Workspace::new("root");
+    std::fs::write(ws.0.join("a.txt"), b"original\n").unwrap();
+    let before = ws.snapshot();
+    let script = format!(
+        "id -u; mount -o remount,rw /workspace && mount -o remount,rw /usr && \
+         grep -E ' /(workspace|usr) ' /proc/mounts | cut -d' ' -f2,4 | cut -d, -f1; {WRITES}"
+    );
+    let o = run_vm(
+        &["--workspace", ws.path(), "--user", "0:0"],
+        &["sh", "-c", &script],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    assert!(out.starts_with("0\n"), "{out}");
+    assert!(
+        out.contains("/usr rw\n") && out.contains("/workspace rw\n"),
+        "the guest kernel thinks both are writable now: {out}"
+    );
+    check_all_refused(&out);
+    assert_eq!(ws.snapshot(), before);
+}
+
+#[test]
+fn python_and_node_run_on_the_default_system_root() {
+    let o = run_vm(
+        &[],
+        &[
+            "sh",
+            "-c",
+            "python3 -c 'print(2+3)' && node -e 'console.log(6*7)'",
+        ],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(o.stdout_str(), "5\n42\n");
+}
+
+#[test]
+fn etc_is_synthesized_and_secrets_stay_on_the_host() {
+    let o = run_vm(
+        &[],
+        &[
+            "sh",
+            "-c",
+            "whoami; getent hosts localhost | head -1; ls /etc/shadow /root/.ssh 2>&1; \
+             test -s /etc/ssl/certs/ca-certificates.crt && echo certs; echo x > /etc/passwd; \
+             ls /home; cd && pwd && touch ok && echo home-writable",
+        ],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    assert!(out.starts_with("agent\n"), "{out}");
+    assert!(out.contains("localhost"), "{out}");
+    assert!(out.contains("certs\n"), "{out}");
+    assert!(out.contains("/home/agent\nhome-writable\n"), "{out}");
+    assert!(
+        o.stderr.contains("/etc/passwd: Read-only file system"),
+        "{o:?}"
+    );
+    assert!(
+        out.contains("'/etc/shadow': No such file")
+            && out.contains("'/root/.ssh': Permission denied"),
+        "{out}"
+    );
+}
+
+/// Processes whose command line mentions `needle`, other than ourselves.
+fn processes_with(needle: &str) -> Vec<String> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == std::process::id() {
+            continue;
+        }
+        if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains(needle) {
+                found.push(format!("{pid}: {cmd}"));
+            }
+        }
+    }
+    found
+}
+
+/// Within a few seconds, no virtiofsd serves `ws` and no socket directory of amvm `pid` exists.
+fn nothing_left(ws: &Workspace, pid: u32) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let procs = processes_with(ws.path());
+        let dirs: Vec<PathBuf> = [std::env::temp_dir(), PathBuf::from("/run/user")]
+            .iter()
+            .filter_map(|d| std::fs::read_dir(d).ok())
+            .flat_map(|r| r.flatten().map(|e| e.path()))
+            .filter(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&format!("amvm-{pid}-")))
+            })
+            .collect();
+        if procs.is_empty() && dirs.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < until, "left behind: {procs:?} {dirs:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn run_and_check(ws: &Workspace, opts: &[&str], cmd: &[&str], want: i32) {
+    let mut args = vec!["--workspace", ws.path()];
+    args.extend_from_slice(opts);
+    let child = spawn_vm(&args, cmd);
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(want), "{out:?}");
+    nothing_left(ws, pid);
+}
+
+#[test]
+fn no_backend_survives_success_failure_or_a_killed_workload() {
+    let ws = Workspace::new("left");
+    run_and_check(&ws, &[], &["true"], 0);
+    run_and_check(&ws, &[], &["sh", "-c", "exit 3"], 3);
+    run_and_check(&ws, &[], &["sh", "-c", "kill -9 $$"], 137);
+}
+
+#[test]
+fn no_backend_survives_a_timeout_sigterm_or_sigkill_of_amvm() {
+    let ws = Workspace::new("left-sig");
+    run_and_check(&ws, &["--timeout", "3"], &["sleep", "100"], 124);
+
+    for (sig, want) in [(libc::SIGTERM, Some(143)), (libc::SIGKILL, None)] {
+        let mut child = spawn_vm(
+            &["--workspace", ws.path()],
+            &["sh", "-c", "echo ready; exec sleep 1000"],
+        );
+        let pid = child.id();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+        assert_eq!(line, "ready\n");
+        // SAFETY: kill(2) on our own child's pid.
+        assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0);
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), want, "{status:?}");
+        nothing_left(&ws, pid);
+    }
+}
+
+#[test]
+fn a_backend_that_fails_to_start_is_reported_with_its_stderr() {
+    let ws = Workspace::new("bad-backend");
+    let fake = ws.0.join("fake-virtiofsd");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho 'fake virtiofsd: cannot serve this' >&2\nexit 1\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    amvm_tests::require_kvm();
+    let o = amvm(
+        [
+            "run",
+            "--timeout",
+            RUN_TIMEOUT_SECS,
+            "--workspace",
+            ws.path(),
+            "--",
+            "true",
+        ],
+        &[("AMVM_VIRTIOFSD", fake.to_str().unwrap())],
+    );
+    assert_eq!(o.code, 125, "{o:?}");
+    assert!(
+        o.stderr.contains("virtiofsd for /usr failed"),
+        "{}",
+        o.stderr
+    );
+    assert!(
+        o.stderr.contains("fake virtiofsd: cannot serve this"),
+        "{}",
+        o.stderr
+    );
+}

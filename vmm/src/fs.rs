@@ -1,0 +1,266 @@
+//! The virtio-fs shares' backends: one `virtiofsd` per share, started read-only with its own
+//! namespace sandbox and seccomp filter, connected over a socket that never stays in the
+//! filesystem, and killed on every way amvm ends.
+//!
+//! * The socket: amvm binds a listener in a fresh 0700 directory, connects to it (the connection
+//!   waits in the backlog), removes the socket and the directory, and hands the listener to
+//!   virtiofsd (`--fd`). Nothing is left on disk even if amvm is killed a moment later.
+//! * Lifetime: virtiofsd gets `PR_SET_PDEATHSIG` = SIGKILL (it dies with amvm's main thread,
+//!   whatever kills amvm), and [`Virtiofsd`]'s drop kills and reaps it on every return path.
+//! * Errors: its stderr is collected, so a backend that fails to start is reported with its own
+//!   words.
+
+use std::io::{self, Read};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// The virtiofsd release amvm is built and tested against (images/setup installs it).
+pub const VIRTIOFSD_VERSION: &str = "1.14.0";
+/// How much of virtiofsd's stderr is kept for error reports.
+const STDERR_KEEP: usize = 8192;
+
+#[derive(Debug, thiserror::Error)]
+pub enum FsError {
+    #[error("virtiofsd not found at {0} (run images/setup, or set AMVM_VIRTIOFSD)")]
+    NotFound(PathBuf),
+    #[error("the socket for virtiofsd: {0}")]
+    Socket(io::Error),
+    #[error("starting virtiofsd ({bin}) for {dir}: {source}")]
+    Spawn {
+        bin: PathBuf,
+        dir: PathBuf,
+        source: io::Error,
+    },
+    #[error("virtiofsd for {dir} failed: {detail}{}", stderr_note(.stderr))]
+    Failed {
+        dir: PathBuf,
+        detail: String,
+        stderr: String,
+    },
+}
+
+fn stderr_note(stderr: &str) -> String {
+    let s = stderr.trim();
+    if s.is_empty() {
+        String::new()
+    } else {
+        format!("; its stderr:\n{s}")
+    }
+}
+
+/// The virtiofsd binary: `$AMVM_VIRTIOFSD`, else the one images/setup installs in the cache.
+pub fn virtiofsd_path(cache: &Path) -> PathBuf {
+    std::env::var_os("AMVM_VIRTIOFSD")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache.join("virtiofsd/bin/virtiofsd"))
+}
+
+/// A running virtiofsd.
+#[derive(Debug)]
+pub struct Virtiofsd {
+    child: Child,
+    dir: PathBuf,
+    stderr: Arc<Mutex<String>>,
+}
+
+impl Virtiofsd {
+    /// Start virtiofsd serving `dir` read-only; returns it and our end of its vhost-user socket.
+    pub fn spawn(bin: &Path, dir: &Path) -> Result<(Virtiofsd, UnixStream), FsError> {
+        if !bin.is_file() {
+            return Err(FsError::NotFound(bin.to_owned()));
+        }
+        let (listener, stream) = private_socket().map_err(FsError::Socket)?;
+        let fd = listener.as_raw_fd();
+        let mut cmd = Command::new(bin);
+        cmd.arg(format!("--fd={fd}"))
+            .arg("--shared-dir")
+            .arg(dir)
+            .args([
+                "--readonly",
+                "--sandbox=namespace",
+                "--seccomp=kill",
+                "--cache=auto",
+                "--inode-file-handles=never",
+                "--log-level=error",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        // SAFETY: `in_child` runs between fork and exec and only makes async-signal-safe calls
+        // on plain data (see there).
+        unsafe { cmd.pre_exec(move || in_child(fd)) };
+        let mut child = cmd.spawn().map_err(|source| FsError::Spawn {
+            bin: bin.to_owned(),
+            dir: dir.to_owned(),
+            source,
+        })?;
+        drop(listener);
+        let stderr: Arc<Mutex<String>> = Arc::default();
+        if let Some(mut pipe) = child.stderr.take() {
+            let keep = stderr.clone();
+            let _ = std::thread::Builder::new()
+                .name("virtiofsd-err".into())
+                .spawn(move || {
+                    let mut buf = [0u8; 4096];
+                    while let Ok(n) = pipe.read(&mut buf) {
+                        if n == 0 {
+                            break;
+                        }
+                        let text = String::from_utf8_lossy(&buf[..n]);
+                        tracing::debug!("virtiofsd: {}", text.trim_end());
+                        let mut k = keep.lock().unwrap_or_else(|p| p.into_inner());
+                        if k.len() < STDERR_KEEP {
+                            k.push_str(&text);
+                        }
+                    }
+                });
+        }
+        Ok((
+            Virtiofsd {
+                child,
+                dir: dir.to_owned(),
+                stderr,
+            },
+            stream,
+        ))
+    }
+
+    /// The error to report when talking to this virtiofsd failed with `detail`: waits briefly
+    /// for it to exit so its last words are in.
+    pub fn failure(&mut self, detail: String) -> FsError {
+        let until = Instant::now() + Duration::from_secs(2);
+        let mut detail = detail;
+        while Instant::now() < until {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                detail = format!("{detail} (virtiofsd exited: {status})");
+                // Let the stderr thread drain the pipe.
+                std::thread::sleep(Duration::from_millis(100));
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        FsError::Failed {
+            dir: self.dir.clone(),
+            detail,
+            stderr: self
+                .stderr
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
+        }
+    }
+}
+
+/// In the forked child, before exec: keep the listener `fd` across exec, die with amvm's main
+/// thread, and take back the signals amvm blocked for its signalfd. Async-signal-safe only.
+fn in_child(fd: libc::c_int) -> io::Result<()> {
+    // SAFETY: fcntl(2) on a descriptor this process owns, with plain integer arguments.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, 0) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: prctl(2) with plain integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it.
+    let mut none: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `none` is a valid sigset_t on this stack frame.
+    unsafe { libc::sigemptyset(&mut none) };
+    // SAFETY: `none` is initialised; a null old-set pointer is allowed.
+    let rc = unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &none, std::ptr::null_mut()) };
+    if rc != 0 {
+        return Err(io::Error::from_raw_os_error(rc));
+    }
+    Ok(())
+}
+
+impl Drop for Virtiofsd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A listening socket and a connection to it, with no trace left in the filesystem.
+fn private_socket() -> io::Result<(UnixListener, UnixStream)> {
+    let base = socket_base();
+    let mut last = None;
+    for _ in 0..16 {
+        let dir = base.join(format!("amvm-{}-{:08x}", std::process::id(), nonce()));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                last = Some(e);
+                continue;
+            }
+            Err(e) => return Err(e),
+        }
+        let path = dir.join("vhost-user.sock");
+        let result =
+            UnixListener::bind(&path).and_then(|l| UnixStream::connect(&path).map(|s| (l, s)));
+        let _ = std::fs::remove_file(&path);
+        let _ = std::fs::remove_dir(&dir);
+        return result;
+    }
+    Err(last.unwrap_or_else(|| io::Error::other("no private directory for the socket")))
+}
+
+/// Where the short-lived socket directory goes: `$XDG_RUNTIME_DIR`, else the temp dir.
+fn socket_base() -> PathBuf {
+    std::env::var_os("XDG_RUNTIME_DIR")
+        .map(PathBuf::from)
+        .filter(|p| p.is_dir())
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+/// A few bits that differ between calls, for unique directory names.
+fn nonce() -> u32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static N: AtomicU32 = AtomicU32::new(0);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    t ^ N.fetch_add(0x9e37_79b9, Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_private_socket_connects_and_leaves_nothing_behind() {
+        let ours = || {
+            std::fs::read_dir(socket_base())
+                .unwrap()
+                .flatten()
+                .filter(|e| {
+                    e.file_name()
+                        .to_string_lossy()
+                        .starts_with(&format!("amvm-{}-", std::process::id()))
+                })
+                .count()
+        };
+        assert_eq!(ours(), 0);
+        let (l, mut s) = private_socket().unwrap();
+        let (mut peer, _) = l.accept().unwrap();
+        use std::io::Write;
+        s.write_all(b"x").unwrap();
+        let mut b = [0u8; 1];
+        peer.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"x");
+        assert_eq!(ours(), 0);
+    }
+
+    #[test]
+    fn a_missing_virtiofsd_is_named() {
+        let e = Virtiofsd::spawn(Path::new("/nonexistent/virtiofsd"), Path::new("/")).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/virtiofsd"), "{e}");
+    }
+}
