@@ -327,3 +327,20 @@ fn a_backend_that_fails_to_start_is_reported_with_its_stderr() {
         o.stderr
     );
 }
+
+#[test]
+fn a_working_directory_the_user_cannot_enter_is_named() {
+    for (dir, why) in [
+        ("/root", "Permission denied"),
+        ("/nonexistent", "no such directory"),
+    ] {
+        let o = run_vm(&["-w", dir], &["true"]);
+        assert_eq!(o.code, 125, "{o:?}");
+        assert!(
+            o.stderr.contains(&format!(
+                "amvm: cannot enter the working directory {dir}: {why}"
+            )),
+            "{o:?}"
+        );
+    }
+}

@@ -40,6 +40,13 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
         cmd.env(OsStr::from_bytes(k), OsStr::from_bytes(v));
     }
     prepare_home(spec);
+    // A working directory the user cannot enter would surface as a spawn error that reads like
+    // the command's; check it as the workload's user first and say what is wrong.
+    if let Err(e) = can_enter(&spec.cwd, spec.uid, spec.gid) {
+        let cwd = String::from_utf8_lossy(&spec.cwd);
+        chan.stderr(format!("amvm: cannot enter the working directory {cwd}: {e}\n").as_bytes());
+        return Ok(EXIT_SETUP_FAILURE);
+    }
     cmd.current_dir(OsStr::from_bytes(&spec.cwd));
     let stdin_stream = if spec.stdin {
         let sock = vsock_connect(HOST_CID, STDIN_PORT).map_err(WorkloadError::Stdin)?;
@@ -82,6 +89,37 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     let out = child.stdout.take().expect("piped stdout");
     let err = child.stderr.take().expect("piped stderr");
     relay(pid, out, err, chan)
+}
+
+/// amvm's own failure status (design.md): the workload could not be started as asked.
+const EXIT_SETUP_FAILURE: u8 = 125;
+
+/// Whether `uid`/`gid` may enter directory `dir` (search permission on it and every parent),
+/// checked with the file-system ids switched to them for the duration of the check.
+fn can_enter(dir: &[u8], uid: u32, gid: u32) -> io::Result<()> {
+    let path =
+        std::ffi::CString::new(dir).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    if !std::path::Path::new(OsStr::from_bytes(dir)).is_dir() {
+        return Err(io::Error::new(io::ErrorKind::NotFound, "no such directory"));
+    }
+    // The file-system ids below change only this thread's, and are restored before its next
+    // file access.
+    // SAFETY: setfsgid takes a plain integer.
+    let old_gid = unsafe { libc::setfsgid(gid) };
+    // SAFETY: setfsuid takes a plain integer.
+    let old_uid = unsafe { libc::setfsuid(uid) };
+    // SAFETY: `path` is a valid NUL-terminated string for the call's duration.
+    let rc = unsafe { libc::access(path.as_ptr(), libc::X_OK) };
+    let err = io::Error::last_os_error();
+    // SAFETY: setfsuid takes a plain integer.
+    unsafe { libc::setfsuid(old_uid as libc::uid_t) };
+    // SAFETY: setfsgid takes a plain integer.
+    unsafe { libc::setfsgid(old_gid as libc::gid_t) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(err)
+    }
 }
 
 /// Give the workload a `$HOME` it owns (on the in-memory root; it vanishes with the VM).

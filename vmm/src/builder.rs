@@ -114,7 +114,8 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let mut backends = Vec::with_capacity(cfg.shares.len());
     let mut fs_devices = Vec::with_capacity(cfg.shares.len());
     for (tag, dir) in &cfg.shares {
-        let (mut backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir)?;
+        let stable = tag == crate::config::TAG_SYSTEM;
+        let (mut backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable)?;
         match VhostUserFs::new(tag, stream) {
             Ok(dev) => fs_devices.push(dev),
             Err(e) => return Err(backend.failure(e.to_string()).into()),

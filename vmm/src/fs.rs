@@ -71,7 +71,10 @@ pub struct Virtiofsd {
 
 impl Virtiofsd {
     /// Start virtiofsd serving `dir` read-only; returns it and our end of its vhost-user socket.
-    pub fn spawn(bin: &Path, dir: &Path) -> Result<(Virtiofsd, UnixStream), FsError> {
+    /// `stable`: the tree does not change while the guest runs (a system root), so the guest
+    /// may cache names and attributes for good (`--cache=always`); otherwise (a workspace the
+    /// user may be editing) for about a second (`--cache=auto`).
+    pub fn spawn(bin: &Path, dir: &Path, stable: bool) -> Result<(Virtiofsd, UnixStream), FsError> {
         if !bin.is_file() {
             return Err(FsError::NotFound(bin.to_owned()));
         }
@@ -85,7 +88,11 @@ impl Virtiofsd {
                 "--readonly",
                 "--sandbox=namespace",
                 "--seccomp=kill",
-                "--cache=auto",
+                if stable {
+                    "--cache=always"
+                } else {
+                    "--cache=auto"
+                },
                 "--inode-file-handles=never",
                 "--log-level=error",
             ])
@@ -260,7 +267,8 @@ mod tests {
 
     #[test]
     fn a_missing_virtiofsd_is_named() {
-        let e = Virtiofsd::spawn(Path::new("/nonexistent/virtiofsd"), Path::new("/")).unwrap_err();
+        let e = Virtiofsd::spawn(Path::new("/nonexistent/virtiofsd"), Path::new("/"), true)
+            .unwrap_err();
         assert!(e.to_string().contains("/nonexistent/virtiofsd"), "{e}");
     }
 }

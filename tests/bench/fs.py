@@ -1,0 +1,81 @@
+#!/usr/bin/env python3
+"""virtio-fs benchmark (see tests/bench/fs). Prints one table.
+
+The same shell commands run on the host and in the guest against the same directory (shared with
+--workspace): `cat big > /dev/null` and `find small -type f -exec cat {} + > /dev/null` (a stat
+and a read of every file). Guest times come from /proc/uptime inside the guest, so they exclude
+boot; the host's from the same clock around the same commands.
+"""
+import argparse, os, shutil, statistics, subprocess, sys, tempfile
+
+READ_BIG = "cat big > /dev/null"
+READ_SMALL = "find small -type f -exec cat {} + > /dev/null"
+
+
+def timed(cmd):
+    """A script that prints the seconds `cmd` took (uptime clock)."""
+    return f"a=$(cut -d' ' -f1 /proc/uptime); {cmd}; b=$(cut -d' ' -f1 /proc/uptime); echo \"$a $b\""
+
+
+def seconds(out):
+    a, b = out.split()
+    return float(b) - float(a)
+
+
+def drop_host_cache(path):
+    """Evict the files from the host's page cache (root only) so both sides start cold-ish."""
+    try:
+        subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False,
+                       stderr=subprocess.DEVNULL)
+    except OSError:
+        pass
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--amvm", required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--big", type=int, default=1 << 30)
+    ap.add_argument("--small", type=int, default=10000)
+    a = ap.parse_args()
+    d = tempfile.mkdtemp(prefix="amvm-bench-fs-")
+    os.chmod(d, 0o755)  # the guest's workload is not root: it must be able to enter it
+    try:
+        with open(os.path.join(d, "big"), "wb") as f:
+            chunk = os.urandom(1 << 20)
+            for _ in range(a.big // len(chunk)):
+                f.write(chunk)
+            f.write(chunk[: a.big % len(chunk)])
+        os.mkdir(os.path.join(d, "small"))
+        for i in range(a.small):
+            with open(os.path.join(d, "small", f"f{i:05}"), "w") as f:
+                f.write(f"file {i}\n" * 10)
+        big_row = f"{a.big / (1 << 20):.0f} MiB read"
+        rows = {big_row: ([], []), f"{a.small} files stat+read": ([], [])}
+        for r in range(a.runs):
+            for name, cmd in zip(rows, (READ_BIG, READ_SMALL)):
+                drop_host_cache(d)
+                p = subprocess.run(["sh", "-c", timed(cmd)], cwd=d, capture_output=True, text=True, check=True)
+                rows[name][0].append(seconds(p.stdout))
+                drop_host_cache(d)
+                p = subprocess.run([a.amvm, "run", "--workspace", d, "--timeout", "3600", "--", "sh", "-c", timed(cmd)],
+                                   capture_output=True, text=True)
+                if p.returncode != 0:
+                    print(f"{name}: amvm exited {p.returncode}: {p.stderr}", file=sys.stderr)
+                    return 1
+                rows[name][1].append(seconds(p.stdout))
+        print(f"\nvirtio-fs benchmark: {a.runs} runs, medians (min-max), seconds")
+        print(f"{'row':28} {'host':>20} {'guest (virtio-fs)':>22} {'guest/host':>11}")
+        for name, (host, guest) in rows.items():
+            h, g = statistics.median(host), statistics.median(guest)
+            print(f"{name:28} {h:8.3f} ({min(host):.3f}-{max(host):.3f}) {g:9.3f} ({min(guest):.3f}-{max(guest):.3f}) {g / h:11.2f}")
+        mib = a.big / (1 << 20)
+        h, g = statistics.median(rows[big_row][0]), statistics.median(rows[big_row][1])
+        print(f"sequential read throughput: host {mib / h:.1f} MiB/s, guest {mib / g:.1f} MiB/s")
+        return 0
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
