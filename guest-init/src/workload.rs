@@ -108,8 +108,11 @@ fn can_enter(dir: &[u8], uid: u32, gid: u32) -> io::Result<()> {
     let old_gid = unsafe { libc::setfsgid(gid) };
     // SAFETY: setfsuid takes a plain integer.
     let old_uid = unsafe { libc::setfsuid(uid) };
+    // access(2) would check the real ids; with AT_EACCESS the check uses the file-system ids
+    // set above (and the capabilities they leave).
     // SAFETY: `path` is a valid NUL-terminated string for the call's duration.
-    let rc = unsafe { libc::access(path.as_ptr(), libc::X_OK) };
+    let rc =
+        unsafe { libc::faccessat(libc::AT_FDCWD, path.as_ptr(), libc::X_OK, libc::AT_EACCESS) };
     let err = io::Error::last_os_error();
     // SAFETY: setfsuid takes a plain integer.
     unsafe { libc::setfsuid(old_uid as libc::uid_t) };
