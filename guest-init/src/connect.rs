@@ -4,51 +4,10 @@
 //! and copies the socket to stdout until the peer closes. Busybox's `nc` cannot reach a unix
 //! socket; this reaches the egress relay's one (`$AMVM_EGRESS_SOCK`).
 
-use std::io::{self, Read, Write};
+use crate::egress::Client;
+use std::io::{self, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
-
-/// One stream either way.
-enum Stream {
-    Unix(UnixStream),
-    Tcp(TcpStream),
-}
-
-impl Stream {
-    fn try_clone(&self) -> io::Result<Stream> {
-        Ok(match self {
-            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
-        })
-    }
-    fn shutdown_write(&self) -> io::Result<()> {
-        match self {
-            Stream::Unix(s) => s.shutdown(Shutdown::Write),
-            Stream::Tcp(s) => s.shutdown(Shutdown::Write),
-        }
-    }
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.read(buf),
-            Stream::Tcp(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.write(buf),
-            Stream::Tcp(s) => s.write(buf),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
 
 /// Entry point; returns the process's exit status.
 pub fn main(args: &[String]) -> i32 {
@@ -57,8 +16,8 @@ pub fn main(args: &[String]) -> i32 {
         return 2;
     };
     let stream = match target.strip_prefix("unix:") {
-        Some(path) => UnixStream::connect(path).map(Stream::Unix),
-        None => TcpStream::connect(target.as_str()).map(Stream::Tcp),
+        Some(path) => UnixStream::connect(path).map(Client::Unix),
+        None => TcpStream::connect(target.as_str()).map(Client::Tcp),
     };
     let mut stream = match stream {
         Ok(s) => s,
@@ -79,7 +38,7 @@ pub fn main(args: &[String]) -> i32 {
         if let Err(e) = io::copy(&mut stdin, &mut up) {
             eprintln!("amvm-connect: sending: {e}");
         }
-        let _ = up.shutdown_write();
+        up.shutdown(Shutdown::Write);
     });
     let mut stdout = io::stdout().lock();
     match io::copy(&mut stream, &mut stdout).and_then(|_| stdout.flush()) {

@@ -49,20 +49,20 @@ pub fn start() -> io::Result<Vec<(String, String)>> {
     ])
 }
 
-/// An accepted workload connection.
-enum Client {
+/// A workload-side stream socket: an accepted relay connection, or amvm-connect's own.
+pub(crate) enum Client {
     Tcp(TcpStream),
     Unix(UnixStream),
 }
 
 impl Client {
-    fn try_clone(&self) -> io::Result<Client> {
+    pub(crate) fn try_clone(&self) -> io::Result<Client> {
         Ok(match self {
             Client::Tcp(s) => Client::Tcp(s.try_clone()?),
             Client::Unix(s) => Client::Unix(s.try_clone()?),
         })
     }
-    fn shutdown(&self, how: Shutdown) {
+    pub(crate) fn shutdown(&self, how: Shutdown) {
         let _ = match self {
             Client::Tcp(s) => s.shutdown(how),
             Client::Unix(s) => s.shutdown(how),

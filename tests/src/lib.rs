@@ -82,9 +82,8 @@ where
     }
 }
 
-/// Boot a VM that runs `command` (after `amvm run [opts] --`), with a hang guard.
-pub fn run_vm(opts: &[&str], command: &[&str]) -> Outcome {
-    require_kvm();
+/// `run [--timeout RUN_TIMEOUT_SECS] opts -- command`: the hang guard unless `opts` sets one.
+fn run_args<'a>(opts: &[&'a str], command: &[&'a str]) -> Vec<&'a str> {
     let mut args: Vec<&str> = vec!["run"];
     if !opts.contains(&"--timeout") {
         args.extend_from_slice(&["--timeout", RUN_TIMEOUT_SECS]);
@@ -92,22 +91,21 @@ pub fn run_vm(opts: &[&str], command: &[&str]) -> Outcome {
     args.extend_from_slice(opts);
     args.push("--");
     args.extend_from_slice(command);
-    amvm(args, &[])
+    args
+}
+
+/// Boot a VM that runs `command` (after `amvm run [opts] --`), with a hang guard.
+pub fn run_vm(opts: &[&str], command: &[&str]) -> Outcome {
+    require_kvm();
+    amvm(run_args(opts, command), &[])
 }
 
 /// Start `amvm run [opts] -- command` with stdin, stdout and stderr piped, for tests that talk
 /// to it while it runs (stdin, signals).
 pub fn spawn_vm(opts: &[&str], command: &[&str]) -> std::process::Child {
     require_kvm();
-    let mut args: Vec<&str> = vec!["run"];
-    if !opts.contains(&"--timeout") {
-        args.extend_from_slice(&["--timeout", RUN_TIMEOUT_SECS]);
-    }
-    args.extend_from_slice(opts);
-    args.push("--");
-    args.extend_from_slice(command);
     Command::new(amvm_bin())
-        .args(args)
+        .args(run_args(opts, command))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

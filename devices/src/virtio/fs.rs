@@ -235,14 +235,7 @@ fn read_config(tag: &[u8; TAG_LEN], offset: u64, data: &mut [u8]) {
     let mut config = [0u8; TAG_LEN + 4];
     config[..TAG_LEN].copy_from_slice(tag);
     config[TAG_LEN..].copy_from_slice(&1u32.to_le_bytes());
-    let Ok(start) = usize::try_from(offset) else {
-        return;
-    };
-    if start >= config.len() {
-        return;
-    }
-    let n = data.len().min(config.len() - start);
-    data[..n].copy_from_slice(&config[start..start + n]);
+    super::read_config_bytes(&config, offset, data);
 }
 
 #[cfg(test)]

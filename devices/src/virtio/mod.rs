@@ -177,6 +177,19 @@ pub trait VirtioDevice: Send {
     }
 }
 
+/// Copy the part of config space `cfg` that lies at `offset` into `data`; bytes beyond `cfg`
+/// (and any offset past its end) leave `data` as it came. For [`VirtioDevice::read_config`].
+pub fn read_config_bytes(cfg: &[u8], offset: u64, data: &mut [u8]) {
+    let Ok(start) = usize::try_from(offset) else {
+        return;
+    };
+    if start >= cfg.len() {
+        return;
+    }
+    let n = data.len().min(cfg.len() - start);
+    data[..n].copy_from_slice(&cfg[start..start + n]);
+}
+
 /// Why a device could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ActivateError {

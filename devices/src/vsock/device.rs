@@ -89,12 +89,7 @@ where
     }
     /// Config space: `le64 guest_cid`.
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        let cfg = self.guest_cid.to_le_bytes();
-        let start = offset as usize;
-        if offset < cfg.len() as u64 {
-            let n = data.len().min(cfg.len() - start);
-            data[..n].copy_from_slice(&cfg[start..start + n]);
-        }
+        crate::virtio::read_config_bytes(&self.guest_cid.to_le_bytes(), offset, data);
     }
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
 
