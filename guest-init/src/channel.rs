@@ -145,8 +145,14 @@ impl Channel {
     }
 
     fn flush_buf(&mut self) {
-        // If the channel is gone there is nobody left to tell; the VMM will report a missing status.
-        let _ = self.sock.write_all(&self.buf);
+        // If the channel is gone the VMM will report a missing status; say why on the console,
+        // which it keeps the tail of for that report.
+        if let Err(e) = self.sock.write_all(&self.buf) {
+            if !self.closed {
+                eprintln!("guest-init: the control channel failed: {e}");
+            }
+            self.closed = true;
+        }
     }
 }
 
