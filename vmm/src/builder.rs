@@ -142,7 +142,10 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         legacy::COM1_IRQ,
         console.clone(),
     )?;
-    let reset = ResetLine::new(exit_evt.try_clone().map_err(RunError::EventFd)?);
+    // The i8042 reset (the guest's `reboot=k`) has its own event, so the end of a run can tell
+    // a guest that reset itself from one that crashed (a triple fault and nothing else).
+    let reset_evt = EventFdTrigger::new().map_err(RunError::EventFd)?;
+    let reset = ResetLine::new(reset_evt.try_clone().map_err(RunError::EventFd)?);
     pio.insert(
         legacy::I8042_BASE,
         legacy::I8042_PORTS,
@@ -212,7 +215,7 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     std::mem::forget((vm, mem));
 
     // Wait for the guest to stop; forward signals meanwhile.
-    let epoll = Waiter::new(&exit_evt, &signals).map_err(RunError::EventFd)?;
+    let epoll = Waiter::new(&[&exit_evt, &reset_evt], &signals).map_err(RunError::EventFd)?;
     let mut forwarded: Option<(i32, Instant)> = None;
     loop {
         let grace_end = forwarded.map(|f| f.1);
@@ -258,11 +261,18 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let failure = stops
         .iter()
         .find_map(|r| r.as_ref().err().map(ToString::to_string));
-    let how = match stops.iter().find_map(|r| r.as_ref().ok()) {
-        Some(VcpuStop::Shutdown) => "triple fault".to_string(),
-        Some(VcpuStop::Halt) => "halted".to_string(),
-        Some(VcpuStop::SystemEvent(kind)) => format!("system event {kind}"),
-        None => "reset".to_string(),
+    let reset = reset_evt.0.read().is_ok();
+    let how = match (reset, stops.iter().find_map(|r| r.as_ref().ok())) {
+        (true, _) => "it reset itself".to_string(),
+        (false, Some(VcpuStop::Shutdown { rip: Some(rip) })) => {
+            format!("triple fault at RIP {rip:#x}: the guest kernel crashed")
+        }
+        (false, Some(VcpuStop::Shutdown { rip: None })) => {
+            "triple fault: the guest kernel crashed".to_string()
+        }
+        (false, Some(VcpuStop::Halt)) => "halted".to_string(),
+        (false, Some(VcpuStop::SystemEvent(kind))) => format!("system event {kind}"),
+        (false, None) => "stopped".to_string(),
     };
     let report = report.lock().unwrap_or_else(|p| p.into_inner());
     match (report.exit, failure) {
@@ -352,13 +362,12 @@ impl Waiter {
     const EXIT: u64 = 0;
     const SIGNAL: u64 = 1;
 
-    fn new(exit: &EventFdTrigger, signals: &Signals) -> io::Result<Self> {
+    /// Wakes with [`Wake::Stopped`] when any of `exits` fires.
+    fn new(exits: &[&EventFdTrigger], signals: &Signals) -> io::Result<Self> {
         use std::os::fd::AsRawFd;
         let epoll = Epoll::new()?;
-        for (fd, token) in [
-            (exit.0.as_raw_fd(), Self::EXIT),
-            (signals.as_raw_fd(), Self::SIGNAL),
-        ] {
+        let exits = exits.iter().map(|e| (e.0.as_raw_fd(), Self::EXIT));
+        for (fd, token) in exits.chain([(signals.as_raw_fd(), Self::SIGNAL)]) {
             epoll.ctl(
                 ControlOperation::Add,
                 fd,
@@ -369,7 +378,7 @@ impl Waiter {
     }
 
     fn wait(&self, until: Option<Instant>) -> io::Result<Wake> {
-        let mut events = [EpollEvent::default(); 2];
+        let mut events = [EpollEvent::default(); 4];
         loop {
             let timeout_ms = match until {
                 None => -1,

@@ -30,8 +30,9 @@ pub enum VcpuError {
 /// Why a vCPU stopped running the guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VcpuStop {
-    /// Triple fault or reset: the guest is gone.
-    Shutdown,
+    /// Triple fault (KVM_EXIT_SHUTDOWN): the guest is gone. `rip` is where it was, if KVM
+    /// still reports it. After a `reboot=k` reset this is the kernel's fallback, not a crash.
+    Shutdown { rip: Option<u64> },
     /// KVM_EXIT_SYSTEM_EVENT (shutdown/reset/crash) with its type.
     SystemEvent(u32),
     /// HLT reached userspace (cannot happen with the in-kernel LAPIC; treated as the end).
@@ -120,7 +121,10 @@ impl Vcpu {
                 Ok(VcpuExit::IoOut(port, data)) => pio.write(port.into(), data),
                 Ok(VcpuExit::MmioRead(addr, data)) => mmio.read(addr, data),
                 Ok(VcpuExit::MmioWrite(addr, data)) => mmio.write(addr, data),
-                Ok(VcpuExit::Shutdown) => return Ok(VcpuStop::Shutdown),
+                Ok(VcpuExit::Shutdown) => {
+                    let rip = self.fd.get_regs().ok().map(|r| r.rip);
+                    return Ok(VcpuStop::Shutdown { rip });
+                }
                 Ok(VcpuExit::SystemEvent(kind, _)) => return Ok(VcpuStop::SystemEvent(kind)),
                 Ok(VcpuExit::Hlt) => return Ok(VcpuStop::Halt),
                 Ok(VcpuExit::FailEntry(reason, _)) => return Err(VcpuError::FailEntry(id, reason)),
