@@ -180,6 +180,35 @@ fn python_and_node_run_on_the_default_system_root() {
 }
 
 #[test]
+fn a_system_dir_replaces_the_hosts_usr() {
+    // A minimal unpacked root: the host's static busybox as /usr/bin/sh and a few applets, a
+    // marker file, and the merged-/usr link /bin -> usr/bin.
+    let root = Workspace::new("sysroot");
+    let bin = root.0.join("usr/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::create_dir_all(root.0.join("usr/share")).unwrap();
+    std::fs::copy("/usr/bin/busybox", bin.join("busybox")).unwrap();
+    for applet in ["cat", "ls", "sh"] {
+        std::os::unix::fs::symlink("busybox", bin.join(applet)).unwrap();
+    }
+    std::os::unix::fs::symlink("usr/bin", root.0.join("bin")).unwrap();
+    std::fs::write(root.0.join("usr/share/marker"), "from the system dir\n").unwrap();
+    let o = run_vm(
+        &["--system", root.path()],
+        &[
+            "sh",
+            "-c",
+            "cat /usr/share/marker; ls -1 /usr/bin; test -e /usr/bin/python3 || echo no-python",
+        ],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(
+        o.stdout_str(),
+        "from the system dir\nbusybox\ncat\nls\nsh\nno-python\n"
+    );
+}
+
+#[test]
 fn etc_is_synthesized_and_secrets_stay_on_the_host() {
     let o = run_vm(
         &[],

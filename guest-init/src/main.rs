@@ -8,6 +8,7 @@ mod channel;
 mod connect;
 mod egress;
 mod mounts;
+mod sandbox;
 mod sys;
 mod workload;
 

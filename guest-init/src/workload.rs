@@ -1,4 +1,5 @@
-//! Run the workload: spawn it as the spec's user in its own session, relay its stdout and stderr
+//! Run the workload: spawn it as the spec's user in its own session, confined (see
+//! `sandbox.rs`), relay its stdout and stderr
 //! to the channel as they arrive, feed it the stdin stream (`-i`), pass on the signals the host
 //! forwards (to its whole process group, as a terminal would), and turn its end into one exit
 //! status byte.
@@ -58,9 +59,17 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     };
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     cmd.uid(spec.uid).gid(spec.gid);
-    // SAFETY: the hook runs between fork and exec and only calls setsid(2), which is
-    // async-signal-safe and touches no memory of the parent.
-    unsafe { cmd.pre_exec(new_session) };
+    // Built before the fork: the child may not allocate.
+    let filter = crate::sandbox::Filter::new();
+    // SAFETY: the hook runs between fork and exec (after the switch to the workload's user) and
+    // only makes async-signal-safe system calls (setsid, prctl, seccomp) on memory built before
+    // the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            new_session()?;
+            filter.install()
+        })
+    };
     let name = String::from_utf8_lossy(&spec.argv[0]).into_owned();
     let mut child = match cmd.spawn() {
         Ok(c) => c,
