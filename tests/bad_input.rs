@@ -141,6 +141,10 @@ fn impossible_sizes() {
     );
     assert_one_line_125(&amvm(["run", "--mem", "1", "--", "true"], &[]), "--mem 1");
     assert_one_line_125(
+        &amvm(["run", "--pids", "0", "--", "true"], &[]),
+        "'0' for '--pids <N>'",
+    );
+    assert_one_line_125(
         &amvm(["run", "--user", "root", "--", "true"], &[]),
         "--user",
     );

@@ -1,5 +1,5 @@
-//! The workload's confinement inside the guest: no_new_privs, no capabilities for the default
-//! user, and a seccomp filter that refuses (EPERM) vsock sockets, io_uring, eBPF, perf events,
+//! The workload's confinement inside the guest: no_new_privs, no supplementary groups, no
+//! capabilities (not even in the bounding set) for the default user, and a seccomp filter that refuses (EPERM) vsock sockets, io_uring, eBPF, perf events,
 //! userfaultfd, kexec, module loading, and tracing guest-init — for `--user 0:0` as well.
 //! Each call is made for real in the guest (Python's ctypes on the host's /usr); without the
 //! filter the kernel would answer differently (success, EFAULT, ENOSYS or ESRCH), so "refused"
@@ -33,7 +33,7 @@ call("finit_module", 313, -1, 0, 0)
 call("ptrace_peek_pid1", 101, 2, 1, 0, 0)
 call("process_vm_readv_pid1", 310, 1, 0, 0, 0, 0, 0)
 for line in open("/proc/self/status"):
-    if line.split(":")[0] in ("NoNewPrivs", "Seccomp", "CapEff"):
+    if line.split(":")[0] in ("NoNewPrivs", "Seccomp", "CapEff", "CapBnd", "Groups"):
         print(line.strip().replace("\t", " "))
 "#;
 
@@ -51,6 +51,7 @@ const REFUSED: &[&str] = &[
     "inet allowed",
     "NoNewPrivs: 1",
     "Seccomp: 2",
+    "Groups:",
 ];
 
 fn probe(opts: &[&str]) -> String {
@@ -68,10 +69,12 @@ fn the_default_user_is_confined_and_has_no_capabilities() {
             "no line {want:?} in:\n{out}"
         );
     }
-    assert!(
-        out.lines().any(|l| l == "CapEff: 0000000000000000"),
-        "{out}"
-    );
+    for none in ["CapEff: 0000000000000000", "CapBnd: 0000000000000000"] {
+        assert!(
+            out.lines().any(|l| l == none),
+            "no line {none:?} in:\n{out}"
+        );
+    }
 }
 
 #[test]

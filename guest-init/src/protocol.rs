@@ -16,7 +16,7 @@
 //! workload that does not read its stdin never holds up a signal.
 //!
 //! Run spec layout: magic [`SPEC_MAGIC`], `uid: u32`, `gid: u32`, `flags: u32` (bit 0: egress
-//! relay, bit 1: stdin stream), `cwd: bytes`, `argv: list`, `env: list`, `mounts: list`,
+//! relay, bit 1: stdin stream), `pids_max: u32`, `cwd: bytes`, `argv: list`, `env: list`, `mounts: list`,
 //! `files: list`, where `bytes` is `len: u32` followed by `len` bytes and `list` is
 //! `count: u32` followed by `count` `bytes`. Environment entries are `KEY=VALUE`; a mount is
 //! `TAG NUL PATH` (a virtio-fs tag and where it goes, read-only); a file is `f PATH NUL DATA`
@@ -34,7 +34,7 @@ pub const EGRESS_PORT: u32 = 1025;
 pub const STDIN_PORT: u32 = 1026;
 
 /// First bytes of an encoded run spec (the trailing digit is the version).
-pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC4";
+pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC5";
 /// Largest payload an output frame may carry.
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// Largest encoded run spec (argv and environment together; Linux allows about 2 MiB).
@@ -84,6 +84,8 @@ pub struct RunSpec {
     pub egress: bool,
     /// The workload's stdin is the [`STDIN_PORT`] stream (`-i`); otherwise /dev/null.
     pub stdin: bool,
+    /// The workload cgroup's `pids.max`: tasks (processes and threads) it may have at once.
+    pub pids_max: u32,
     /// virtio-fs shares to mount read-only, in order.
     pub mounts: Vec<Mount>,
     /// Files and symlinks for the guest's `/etc`.
@@ -157,6 +159,7 @@ impl RunSpec {
         let flags =
             if self.egress { FLAG_EGRESS } else { 0 } | if self.stdin { FLAG_STDIN } else { 0 };
         out.extend_from_slice(&flags.to_le_bytes());
+        out.extend_from_slice(&self.pids_max.to_le_bytes());
         put_bytes(&mut out, &self.cwd);
         let mounts: Vec<Vec<u8>> = self.mounts.iter().map(Mount::encode).collect();
         let files: Vec<Vec<u8>> = self.files.iter().map(SpecFile::encode).collect();
@@ -178,6 +181,7 @@ impl RunSpec {
         let uid = r.u32()?;
         let gid = r.u32()?;
         let flags = r.u32()?;
+        let pids_max = r.u32()?;
         let cwd = r.bytes()?.to_vec();
         let argv = r.list()?;
         let env = r.list()?;
@@ -205,6 +209,7 @@ impl RunSpec {
             gid,
             egress: flags & FLAG_EGRESS != 0,
             stdin: flags & FLAG_STDIN != 0,
+            pids_max,
             mounts,
             files,
         })
@@ -431,6 +436,7 @@ mod tests {
             gid: 1001,
             egress: true,
             stdin: false,
+            pids_max: 4096,
             mounts: vec![Mount {
                 tag: b"usr".to_vec(),
                 path: b"/usr".to_vec(),

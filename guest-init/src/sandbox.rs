@@ -1,6 +1,14 @@
-//! The workload's confinement inside the guest, applied between fork and exec (after the switch
-//! to its user): `no_new_privs`, then a seccomp filter that refuses with EPERM the system calls a
-//! workload has no business making here:
+//! The workload's confinement inside the guest.
+//!
+//! [`Cgroup`]: the workload lives in its own cgroup v2, `/sys/fs/cgroup/workload`, whose
+//! `pids.max` bounds its tasks (a fork bomb stops there) and whose `memory.events` tells an
+//! out-of-memory kill apart from any other SIGKILL.
+//!
+//! [`Confinement::enter`], between fork and exec, as root: join that cgroup; give up
+//! supplementary groups; for a non-root user drop every capability from the bounding set and
+//! switch to the user (which clears the rest); lead a new session; set `no_new_privs`; then
+//! install a seccomp filter that refuses with EPERM the system calls a workload has no business
+//! making here:
 //! * `socket(AF_VSOCK, ...)`: the egress goes through guest-init's relay, nothing else reaches
 //!   the host;
 //! * io_uring, eBPF, perf events, userfaultfd: large kernel attack surface no workload needs here;
@@ -8,12 +16,127 @@
 //! * `ptrace` and `process_vm_readv`/`process_vm_writev` aimed at guest-init (PID 1).
 //!
 //! Other system-call ABIs (i386 `int 0x80`, x32) are refused whole, so the list cannot be
-//! sidestepped through another syscall table. The filter applies to `--user 0:0` too.
+//! sidestepped through another syscall table. `--user 0:0` keeps root's capabilities (the VM is
+//! the boundary) and everything else here.
 //!
 //! The program is classic BPF over `struct seccomp_data` (include/uapi/linux/seccomp.h):
 //! `nr` at offset 0, `arch` at 4, `args[i]` at 16 + 8i (little-endian: the low 32 bits first).
 
+use std::fs::{self, File};
 use std::io;
+use std::os::fd::AsRawFd;
+
+/// Where the workload's cgroup lives.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+const CGROUP: &str = "/sys/fs/cgroup/workload";
+
+/// The workload's cgroup.
+pub struct Cgroup {
+    /// `cgroup.procs`, open for writing: a child writes "0" to it to join.
+    procs: File,
+}
+
+impl Cgroup {
+    /// Mount cgroup2, enable the pids and memory controllers below the root, and create the
+    /// workload's cgroup with `pids.max`.
+    pub fn create(pids_max: u32) -> io::Result<Cgroup> {
+        let ctx = |what: &'static str| {
+            move |e: io::Error| io::Error::new(e.kind(), format!("{what}: {e}"))
+        };
+        crate::sys::mount(
+            "cgroup2",
+            CGROUP_ROOT,
+            "cgroup2",
+            libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+            None,
+        )
+        .map_err(ctx("mount cgroup2 on /sys/fs/cgroup"))?;
+        fs::write(
+            format!("{CGROUP_ROOT}/cgroup.subtree_control"),
+            "+pids +memory",
+        )
+        .map_err(ctx("enabling the pids and memory controllers"))?;
+        fs::create_dir(CGROUP).map_err(ctx("creating /sys/fs/cgroup/workload"))?;
+        fs::write(format!("{CGROUP}/pids.max"), pids_max.to_string())
+            .map_err(ctx("setting pids.max"))?;
+        let procs = fs::OpenOptions::new()
+            .write(true)
+            .open(format!("{CGROUP}/cgroup.procs"))
+            .map_err(ctx("opening the workload cgroup's cgroup.procs"))?;
+        Ok(Cgroup { procs })
+    }
+
+    /// How many of its processes any OOM killer has killed (`memory.events`, `oom_kill`).
+    pub fn oom_kills(&self) -> u64 {
+        let events = fs::read_to_string(format!("{CGROUP}/memory.events")).unwrap_or_default();
+        events
+            .lines()
+            .find_map(|l| l.strip_prefix("oom_kill "))
+            .and_then(|n| n.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+/// Everything [`Confinement::enter`] needs, built before the fork (the child may not allocate).
+pub struct Confinement {
+    procs_fd: i32,
+    uid: u32,
+    gid: u32,
+    last_cap: u32,
+    filter: Filter,
+}
+
+impl Confinement {
+    pub fn new(cgroup: &Cgroup, uid: u32, gid: u32) -> Self {
+        let last_cap = fs::read_to_string("/proc/sys/kernel/cap_last_cap")
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(63);
+        Confinement {
+            procs_fd: cgroup.procs.as_raw_fd(),
+            uid,
+            gid,
+            last_cap,
+            filter: Filter::new(),
+        }
+    }
+
+    /// Confine the calling process; runs between fork and exec, as root. Only system calls on
+    /// memory built before the fork: async-signal-safe.
+    pub fn enter(&self) -> io::Result<()> {
+        let check = |rc: libc::c_int| {
+            if rc < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(())
+            }
+        };
+        // SAFETY: write(2) of a 1-byte buffer that outlives the call, to a descriptor the
+        // `Cgroup` keeps open.
+        let n = unsafe { libc::write(self.procs_fd, b"0".as_ptr().cast(), 1) };
+        if n != 1 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: setgroups with an empty list (a null pointer is allowed for size 0).
+        check(unsafe { libc::setgroups(0, std::ptr::null()) })?;
+        // SAFETY: setgid takes a plain integer.
+        check(unsafe { libc::setgid(self.gid) })?;
+        if self.uid != 0 {
+            for cap in 0..=self.last_cap {
+                // SAFETY: prctl with plain integers; EINVAL past the kernel's last capability
+                // is harmless.
+                unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+            }
+            // Leaving uid 0 clears the permitted, effective and ambient sets.
+            // SAFETY: setuid takes a plain integer.
+            check(unsafe { libc::setuid(self.uid) })?;
+        }
+        // The workload leads its own session: no controlling terminal, its own process group.
+        // SAFETY: setsid(2) takes no arguments.
+        check(unsafe { libc::setsid() })?;
+        self.filter.install()
+    }
+}
 
 /// include/uapi/linux/audit.h: AUDIT_ARCH_X86_64 = EM_X86_64 | __AUDIT_ARCH_64BIT | __AUDIT_ARCH_LE.
 const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;

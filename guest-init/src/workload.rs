@@ -1,15 +1,16 @@
-//! Run the workload: spawn it as the spec's user in its own session, confined (see
-//! `sandbox.rs`), relay its stdout and stderr
-//! to the channel as they arrive, feed it the stdin stream (`-i`), pass on the signals the host
-//! forwards (to its whole process group, as a terminal would), and turn its end into one exit
-//! status byte.
+//! Run the workload: spawn it as the spec's user in its own session and cgroup, confined (see
+//! `sandbox.rs`), relay its stdout and stderr to the channel as they arrive, feed it the stdin
+//! stream (`-i`), pass on the signals the host forwards (to its whole process group, as a
+//! terminal would), and turn its end into one exit status byte.
 //!
-//! Exit status (shell convention): its own code; 128+N if signal N killed it; 127 if the command
-//! was not found; 126 if it could not be executed.
+//! Exit status (shell convention): its own code; 128+N if signal N killed it (137 with
+//! "killed: out of memory" on stderr when the OOM killer did it); 127 if the command was not
+//! found; 126 if it could not be executed.
 //! When the workload exits, whatever it left running (background children still holding its
 //! pipes) is killed, so the run ends with the workload as it does in a container.
 
 use crate::channel::{vsock_connect, Channel, HOST_CID};
+use crate::sandbox::{Cgroup, Confinement};
 use guest_init::protocol::{RunSpec, STDIN_PORT};
 use std::ffi::OsStr;
 use std::io::{self, Read};
@@ -27,6 +28,8 @@ pub enum WorkloadError {
     Poll(io::Error),
     #[error("connecting the stdin stream (port {STDIN_PORT}): {0}")]
     Stdin(io::Error),
+    #[error("the workload's cgroup: {0}")]
+    Cgroup(io::Error),
 }
 
 pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
@@ -58,18 +61,12 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
         None
     };
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    cmd.uid(spec.uid).gid(spec.gid);
+    let cgroup = Cgroup::create(spec.pids_max).map_err(WorkloadError::Cgroup)?;
     // Built before the fork: the child may not allocate.
-    let filter = crate::sandbox::Filter::new();
-    // SAFETY: the hook runs between fork and exec (after the switch to the workload's user) and
-    // only makes async-signal-safe system calls (setsid, prctl, seccomp) on memory built before
-    // the fork.
-    unsafe {
-        cmd.pre_exec(move || {
-            new_session()?;
-            filter.install()
-        })
-    };
+    let confinement = Confinement::new(&cgroup, spec.uid, spec.gid);
+    // SAFETY: the hook runs between fork and exec and only makes async-signal-safe system calls
+    // on memory built before the fork (see `Confinement::enter`).
+    unsafe { cmd.pre_exec(move || confinement.enter()) };
     let name = String::from_utf8_lossy(&spec.argv[0]).into_owned();
     let mut child = match cmd.spawn() {
         Ok(c) => c,
@@ -97,7 +94,11 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     }
     let out = child.stdout.take().expect("piped stdout");
     let err = child.stderr.take().expect("piped stderr");
-    relay(pid, out, err, chan)
+    let status = relay(pid, out, err, chan)?;
+    if status == 128 + libc::SIGKILL as u8 && cgroup.oom_kills() > 0 {
+        chan.stderr(b"amvm: killed: out of memory\n");
+    }
+    Ok(status)
 }
 
 /// amvm's own failure status (design.md): the workload could not be started as asked.
@@ -143,15 +144,6 @@ fn prepare_home(spec: &RunSpec) {
     if home.is_absolute() && !home.exists() && std::fs::create_dir_all(home).is_ok() {
         let _ = std::os::unix::fs::chown(home, Some(spec.uid), Some(spec.gid));
     }
-}
-
-/// The workload leads its own session: no controlling terminal, its own process group.
-fn new_session() -> io::Result<()> {
-    // SAFETY: setsid(2) takes no arguments.
-    if unsafe { libc::setsid() } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// Forward output until the workload has exited and both pipes are closed.

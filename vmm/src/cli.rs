@@ -7,6 +7,10 @@ use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// The workload's default task limit: room for builds and test runners with many threads,
+/// while a fork bomb stops long before it exhausts a small guest.
+pub const DEFAULT_PIDS: u32 = 4096;
+
 #[derive(Debug, clap::Parser)]
 #[command(
     name = "amvm",
@@ -48,6 +52,11 @@ pub struct RunArgs {
     /// Number of vCPUs.
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub cpus: u8,
+    /// Most tasks (processes and threads) the workload may have at once (its cgroup's
+    /// pids.max): a fork bomb stops there.
+    #[arg(long, value_name = "N", default_value_t = DEFAULT_PIDS,
+          value_parser = clap::value_parser!(u32).range(1..=4_194_304))]
+    pub pids: u32,
     /// Wall-clock limit for the whole run, in seconds (exit 124 when it expires).
     #[arg(long, value_name = "SECS")]
     pub timeout: Option<u64>,
@@ -116,6 +125,7 @@ impl RunArgs {
             gid,
             egress: self.egress.is_some(),
             stdin: self.interactive,
+            pids_max: self.pids,
             mounts,
             files: config::etc_files(&root, uid, gid),
         };

@@ -1,0 +1,58 @@
+//! Limits and how they end: the workload's cgroup bounds its tasks (`--pids`, default 4096), and
+//! running the guest out of memory kills the workload — not guest-init — with 137 and
+//! "killed: out of memory" on stderr, while an ordinary SIGKILL is 137 without that line.
+
+use amvm_tests::run_vm;
+
+/// Forks children that sleep until a fork fails; prints how many it made and the errno.
+const FORK_UNTIL_REFUSED: &str = r#"
+import os, time
+print(open("/sys/fs/cgroup/workload/pids.max").read().strip())
+n = 0
+try:
+    while n < 10000:
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print("forks", n, "then errno", e.errno)
+"#;
+
+#[test]
+fn pids_stops_a_fork_bomb_at_the_limit() {
+    let o = run_vm(&["--pids", "50"], &["python3", "-c", FORK_UNTIL_REFUSED]);
+    assert_eq!(o.code, 0, "{o:?}");
+    // The workload itself is one of the 50 tasks; EAGAIN (11) refuses the 50th fork.
+    assert_eq!(o.stdout_str(), "50\nforks 49 then errno 11\n", "{o:?}");
+}
+
+#[test]
+fn the_default_task_limit_is_4096() {
+    let o = run_vm(&[], &["cat", "/sys/fs/cgroup/workload/pids.max"]);
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(o.stdout_str(), "4096\n");
+}
+
+#[test]
+fn out_of_memory_kills_the_workload_with_137_and_says_so() {
+    // 1 GiB in 64 MiB pieces, each filled, in a 256 MiB guest.
+    let o = run_vm(
+        &["--mem", "256"],
+        &[
+            "python3",
+            "-c",
+            "l = []\nfor i in range(16):\n    l.append(b'x' * (64 << 20))\nprint('all allocated')",
+        ],
+    );
+    assert_eq!(o.code, 137, "{o:?}");
+    assert!(o.stderr.contains("amvm: killed: out of memory"), "{o:?}");
+    assert!(!o.stdout_str().contains("all allocated"), "{o:?}");
+}
+
+#[test]
+fn an_ordinary_sigkill_is_137_without_the_oom_line() {
+    let o = run_vm(&[], &["sh", "-c", "kill -9 $$"]);
+    assert_eq!(o.code, 137, "{o:?}");
+    assert!(!o.stderr.contains("out of memory"), "{o:?}");
+}
