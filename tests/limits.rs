@@ -1,6 +1,7 @@
-//! Limits and how they end: the workload's cgroup bounds its tasks (`--pids`, default 4096), and
-//! running the guest out of memory kills the workload — not guest-init — with 137 and
-//! "killed: out of memory" on stderr, while an ordinary SIGKILL is 137 without that line.
+//! Limits and faults, and how they end: the workload's cgroup bounds its tasks (`--pids`,
+//! default 4096); a full /tmp or a closed stdout fails only what the workload does; running the
+//! guest out of memory kills the workload — not guest-init — with 137 and "killed: out of
+//! memory" on stderr, while an ordinary SIGKILL is 137 without that line.
 
 use amvm_tests::run_vm;
 
@@ -55,4 +56,36 @@ fn an_ordinary_sigkill_is_137_without_the_oom_line() {
     let o = run_vm(&[], &["sh", "-c", "kill -9 $$"]);
     assert_eq!(o.code, 137, "{o:?}");
     assert!(!o.stderr.contains("out of memory"), "{o:?}");
+}
+
+#[test]
+fn filling_tmp_fails_the_write_not_the_run() {
+    // /tmp is a tmpfs capped at half the guest's RAM: 128 MiB of 256.
+    let o = run_vm(
+        &["--mem", "256"],
+        &[
+            "sh",
+            "-c",
+            "head -c 1000000000 /dev/zero > /tmp/fill; echo \"write status $?\"; \
+             rm /tmp/fill; echo x > /tmp/after && echo tmp-usable-again",
+        ],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(
+        o.stdout_str(),
+        "write status 1\ntmp-usable-again\n",
+        "{o:?}"
+    );
+    assert!(o.stderr.contains("No space left on device"), "{o:?}");
+}
+
+#[test]
+fn a_workload_that_closes_stdout_early_still_reports_stderr_and_status() {
+    let o = run_vm(
+        &[],
+        &["sh", "-c", "exec >&-; echo to-stderr >&2; sleep 1; exit 3"],
+    );
+    assert_eq!(o.code, 3, "{o:?}");
+    assert_eq!(o.stderr, "to-stderr\n", "{o:?}");
+    assert!(o.stdout.is_empty(), "{o:?}");
 }

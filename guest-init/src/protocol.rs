@@ -482,7 +482,7 @@ mod tests {
         s.argv.clear();
         assert_eq!(RunSpec::decode(&s.encode()), Err(ProtocolError::EmptyArgv));
         let mut raw = SPEC_MAGIC.to_vec();
-        raw.extend_from_slice(&[0; 12]); // uid, gid, flags
+        raw.extend_from_slice(&[0; 16]); // uid, gid, flags, pids_max
         raw.extend_from_slice(&0u32.to_le_bytes()); // cwd
         raw.extend_from_slice(&u32::MAX.to_le_bytes()); // argv count
         assert!(matches!(
