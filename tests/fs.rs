@@ -8,7 +8,6 @@ use amvm_tests::{amvm, run_vm, spawn_vm, RUN_TIMEOUT_SECS};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
 /// A fresh workspace directory under the temp dir, removed on drop.
 struct Workspace(PathBuf);
@@ -237,46 +236,8 @@ fn etc_is_synthesized_and_secrets_stay_on_the_host() {
     );
 }
 
-/// Processes whose command line mentions `needle`, other than ourselves.
-fn processes_with(needle: &str) -> Vec<String> {
-    let mut found = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if pid == std::process::id() {
-            continue;
-        }
-        if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
-            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-            if cmd.contains(needle) {
-                found.push(format!("{pid}: {cmd}"));
-            }
-        }
-    }
-    found
-}
-
-/// Within a few seconds, no virtiofsd serves `ws` and no socket directory of amvm `pid` exists.
 fn nothing_left(ws: &Workspace, pid: u32) {
-    let until = Instant::now() + Duration::from_secs(10);
-    loop {
-        let procs = processes_with(ws.path());
-        let dirs: Vec<PathBuf> = [std::env::temp_dir(), PathBuf::from("/run/user")]
-            .iter()
-            .filter_map(|d| std::fs::read_dir(d).ok())
-            .flat_map(|r| r.flatten().map(|e| e.path()))
-            .filter(|p| {
-                p.file_name()
-                    .is_some_and(|n| n.to_string_lossy().starts_with(&format!("amvm-{pid}-")))
-            })
-            .collect();
-        if procs.is_empty() && dirs.is_empty() {
-            return;
-        }
-        assert!(Instant::now() < until, "left behind: {procs:?} {dirs:?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    amvm_tests::leftovers::nothing_left(ws.path(), pid);
 }
 
 fn run_and_check(ws: &Workspace, opts: &[&str], cmd: &[&str], want: i32) {

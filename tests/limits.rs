@@ -1,9 +1,10 @@
 //! Limits and faults, and how they end: the workload's cgroup bounds its tasks (`--pids`,
 //! default 4096); a full /tmp or a closed stdout fails only what the workload does; running the
 //! guest out of memory kills the workload — not guest-init — with 137 and "killed: out of
-//! memory" on stderr, while an ordinary SIGKILL is 137 without that line.
+//! memory" on stderr, while an ordinary SIGKILL is 137 without that line. After every run here,
+//! nothing of it is left on the host (`run_vm_leaving_nothing`).
 
-use amvm_tests::run_vm;
+use amvm_tests::run_vm_leaving_nothing as run_vm;
 
 /// Forks children that sleep until a fork fails; prints how many it made and the errno.
 const FORK_UNTIL_REFUSED: &str = r#"
@@ -88,4 +89,24 @@ fn a_workload_that_closes_stdout_early_still_reports_stderr_and_status() {
     assert_eq!(o.code, 3, "{o:?}");
     assert_eq!(o.stderr, "to-stderr\n", "{o:?}");
     assert!(o.stdout.is_empty(), "{o:?}");
+}
+
+#[test]
+fn a_guest_kernel_panic_is_125_with_the_panic_on_stderr() {
+    let o = run_vm(
+        &["--user", "0:0"],
+        &["sh", "-c", "echo c > /proc/sysrq-trigger; sleep 100"],
+    );
+    assert_eq!(o.code, 125, "{o:?}");
+    assert!(
+        o.stderr.starts_with(
+            "amvm: the guest stopped (its kernel panicked) without reporting an exit status"
+        ),
+        "{o:?}"
+    );
+    assert!(
+        o.stderr
+            .contains("Kernel panic - not syncing: sysrq triggered crash"),
+        "{o:?}"
+    );
 }

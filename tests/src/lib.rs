@@ -113,6 +113,85 @@ pub fn spawn_vm(opts: &[&str], command: &[&str]) -> std::process::Child {
         .expect("spawning amvm")
 }
 
+/// Like [`run_vm`], with a fresh workspace shared in (so its virtiofsd can be told apart from
+/// other runs'), then checks that nothing of the run is left on the host: no virtiofsd of that
+/// workspace, no socket directory of that amvm process.
+pub fn run_vm_leaving_nothing(opts: &[&str], command: &[&str]) -> Outcome {
+    let ws = std::env::temp_dir().join(format!(
+        "amvm-tracked-{}-{}",
+        std::process::id(),
+        NEXT_WS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&ws).expect("creating the workspace");
+    let ws_str = ws.to_str().expect("a UTF-8 temp dir").to_string();
+    let mut all = vec!["--workspace", ws_str.as_str()];
+    all.extend_from_slice(opts);
+    let child = spawn_vm(&all, command);
+    let pid = child.id();
+    let out = child.wait_with_output().expect("waiting for amvm");
+    leftovers::nothing_left(&ws_str, pid);
+    let _ = std::fs::remove_dir_all(&ws);
+    Outcome {
+        code: out
+            .status
+            .code()
+            .unwrap_or_else(|| panic!("amvm killed by a signal: {:?}", out.status)),
+        stdout: out.stdout,
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+static NEXT_WS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// What a run may leave on the host, and the check that it left none of it.
+pub mod leftovers {
+    use std::path::PathBuf;
+    use std::time::{Duration, Instant};
+
+    /// Processes whose command line mentions `needle`, other than ourselves.
+    pub fn processes_with(needle: &str) -> Vec<String> {
+        let mut found = Vec::new();
+        for e in std::fs::read_dir("/proc").unwrap().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            if pid == std::process::id() {
+                continue;
+            }
+            if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
+                let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                if cmd.contains(needle) {
+                    found.push(format!("{pid}: {cmd}"));
+                }
+            }
+        }
+        found
+    }
+
+    /// Within a few seconds, no process mentions `workspace` (its virtiofsd) and no socket
+    /// directory of amvm `pid` exists.
+    pub fn nothing_left(workspace: &str, pid: u32) {
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            let procs = processes_with(workspace);
+            let dirs: Vec<PathBuf> = [std::env::temp_dir(), PathBuf::from("/run/user")]
+                .iter()
+                .filter_map(|d| std::fs::read_dir(d).ok())
+                .flat_map(|r| r.flatten().map(|e| e.path()))
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(&format!("amvm-{pid}-")))
+                })
+                .collect();
+            if procs.is_empty() && dirs.is_empty() {
+                return;
+            }
+            assert!(Instant::now() < until, "left behind: {procs:?} {dirs:?}");
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
 /// `sh -c SCRIPT` in a VM with default options.
 pub fn sh(script: &str) -> Outcome {
     run_vm(&[], &["sh", "-c", script])

@@ -262,7 +262,11 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         .iter()
         .find_map(|r| r.as_ref().err().map(ToString::to_string));
     let reset = reset_evt.0.read().is_ok();
+    let console_tail = console.tail();
+    // A panicking guest kernel prints this (even when `quiet`), then resets (`panic=-1`).
+    let panicked = console_tail.contains("Kernel panic - not syncing");
     let how = match (reset, stops.iter().find_map(|r| r.as_ref().ok())) {
+        _ if panicked => "its kernel panicked".to_string(),
         (true, _) => "it reset itself".to_string(),
         (false, Some(VcpuStop::Shutdown { rip: Some(rip) })) => {
             format!("triple fault at RIP {rip:#x}: the guest kernel crashed")
@@ -283,12 +287,12 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         }),
         (None, Some(error)) => Err(RunError::GuestFailed {
             error,
-            console: console.tail(),
+            console: console_tail,
         }),
         (None, None) => Err(RunError::NoStatus {
             how,
             protocol: report.protocol_error.as_ref().map(ToString::to_string),
-            console: console.tail(),
+            console: console_tail,
         }),
     }
 }
