@@ -71,14 +71,19 @@ where
     for (k, v) in env {
         cmd.env(k, v);
     }
-    let out = cmd.output().expect("spawning amvm");
-    Outcome {
-        code: out
-            .status
-            .code()
-            .unwrap_or_else(|| panic!("amvm killed by a signal: {:?}", out.status)),
-        stdout: out.stdout,
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    Outcome::from(cmd.output().expect("spawning amvm"))
+}
+
+impl From<std::process::Output> for Outcome {
+    fn from(out: std::process::Output) -> Outcome {
+        Outcome {
+            code: out
+                .status
+                .code()
+                .unwrap_or_else(|| panic!("amvm killed by a signal: {:?}", out.status)),
+            stdout: out.stdout,
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        }
     }
 }
 
@@ -131,14 +136,7 @@ pub fn run_vm_leaving_nothing(opts: &[&str], command: &[&str]) -> Outcome {
     let out = child.wait_with_output().expect("waiting for amvm");
     leftovers::nothing_left(&ws_str, pid);
     let _ = std::fs::remove_dir_all(&ws);
-    Outcome {
-        code: out
-            .status
-            .code()
-            .unwrap_or_else(|| panic!("amvm killed by a signal: {:?}", out.status)),
-        stdout: out.stdout,
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
-    }
+    Outcome::from(out)
 }
 
 static NEXT_WS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
