@@ -261,23 +261,6 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let failure = stops
         .iter()
         .find_map(|r| r.as_ref().err().map(ToString::to_string));
-    let reset = reset_evt.0.read().is_ok();
-    let console_tail = console.tail();
-    // A panicking guest kernel prints this (even when `quiet`), then resets (`panic=-1`).
-    let panicked = console_tail.contains("Kernel panic - not syncing");
-    let how = match (reset, stops.iter().find_map(|r| r.as_ref().ok())) {
-        _ if panicked => "its kernel panicked".to_string(),
-        (true, _) => "it reset itself".to_string(),
-        (false, Some(VcpuStop::Shutdown { rip: Some(rip) })) => {
-            format!("triple fault at RIP {rip:#x}: the guest kernel crashed")
-        }
-        (false, Some(VcpuStop::Shutdown { rip: None })) => {
-            "triple fault: the guest kernel crashed".to_string()
-        }
-        (false, Some(VcpuStop::Halt)) => "halted".to_string(),
-        (false, Some(VcpuStop::SystemEvent(kind))) => format!("system event {kind}"),
-        (false, None) => "stopped".to_string(),
-    };
     let report = report.lock().unwrap_or_else(|p| p.into_inner());
     match (report.exit, failure) {
         (Some(code), _) => Ok(code),
@@ -287,13 +270,40 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         }),
         (None, Some(error)) => Err(RunError::GuestFailed {
             error,
-            console: console_tail,
+            console: console.tail(),
         }),
-        (None, None) => Err(RunError::NoStatus {
-            how,
-            protocol: report.protocol_error.as_ref().map(ToString::to_string),
-            console: console_tail,
-        }),
+        (None, None) => {
+            let console = console.tail();
+            let reset = reset_evt.0.read().is_ok();
+            let stop = stops.iter().find_map(|r| r.as_ref().ok());
+            Err(RunError::NoStatus {
+                how: how_it_stopped(reset, stop, &console),
+                protocol: report.protocol_error.as_ref().map(ToString::to_string),
+                console,
+            })
+        }
+    }
+}
+
+/// How a guest that reported no exit status ended, from what the VMM saw: a kernel panic on
+/// the console (it prints that even when `quiet`, then resets: `panic=-1`), the i8042 reset
+/// (`reboot=k`; the kernel's triple-fault fallback may follow it, which is not a crash), or a
+/// vCPU stop with nothing before it.
+fn how_it_stopped(reset: bool, stop: Option<&VcpuStop>, console: &str) -> String {
+    if console.contains("Kernel panic - not syncing") {
+        return "its kernel panicked".into();
+    }
+    match (reset, stop) {
+        (true, _) => "it reset itself".into(),
+        (false, Some(VcpuStop::Shutdown { rip: Some(rip) })) => {
+            format!("triple fault at RIP {rip:#x}: the guest kernel crashed")
+        }
+        (false, Some(VcpuStop::Shutdown { rip: None })) => {
+            "triple fault: the guest kernel crashed".into()
+        }
+        (false, Some(VcpuStop::Halt)) => "halted".into(),
+        (false, Some(VcpuStop::SystemEvent(kind))) => format!("system event {kind}"),
+        (false, None) => "stopped".into(),
     }
 }
 
@@ -407,5 +417,31 @@ impl Waiter {
                 Err(e) => return Err(e),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_guest_that_reset_is_told_apart_from_one_that_crashed() {
+        let fault = VcpuStop::Shutdown {
+            rip: Some(0xffff_ffff_8100_0000),
+        };
+        assert_eq!(how_it_stopped(true, Some(&fault), ""), "it reset itself");
+        assert_eq!(
+            how_it_stopped(false, Some(&fault), "boot\n"),
+            "triple fault at RIP 0xffffffff81000000: the guest kernel crashed"
+        );
+        assert_eq!(
+            how_it_stopped(
+                true,
+                Some(&fault),
+                "Kernel panic - not syncing: Attempted to kill init!"
+            ),
+            "its kernel panicked"
+        );
+        assert_eq!(how_it_stopped(false, None, ""), "stopped");
     }
 }
