@@ -88,7 +88,7 @@ impl From<std::process::Output> for Outcome {
 }
 
 /// `run [--timeout RUN_TIMEOUT_SECS] opts -- command`: the hang guard unless `opts` sets one.
-fn run_args<'a>(opts: &[&'a str], command: &[&'a str]) -> Vec<&'a str> {
+pub fn run_args<'a>(opts: &[&'a str], command: &[&'a str]) -> Vec<&'a str> {
     let mut args: Vec<&str> = vec!["run"];
     if !opts.contains(&"--timeout") {
         args.extend_from_slice(&["--timeout", RUN_TIMEOUT_SECS]);
@@ -108,9 +108,15 @@ pub fn run_vm(opts: &[&str], command: &[&str]) -> Outcome {
 /// Start `amvm run [opts] -- command` with stdin, stdout and stderr piped, for tests that talk
 /// to it while it runs (stdin, signals).
 pub fn spawn_vm(opts: &[&str], command: &[&str]) -> std::process::Child {
+    spawn_vm_env(opts, command, &[])
+}
+
+/// [`spawn_vm`] with extra environment variables for amvm.
+pub fn spawn_vm_env(opts: &[&str], command: &[&str], env: &[(&str, &str)]) -> std::process::Child {
     require_kvm();
     Command::new(amvm_bin())
         .args(run_args(opts, command))
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -122,6 +128,15 @@ pub fn spawn_vm(opts: &[&str], command: &[&str]) -> std::process::Child {
 /// other runs'), then checks that nothing of the run is left on the host: no virtiofsd of that
 /// workspace, no socket directory of that amvm process.
 pub fn run_vm_leaving_nothing(opts: &[&str], command: &[&str]) -> Outcome {
+    run_vm_leaving_nothing_env(opts, command, &[])
+}
+
+/// [`run_vm_leaving_nothing`] with extra environment variables for amvm.
+pub fn run_vm_leaving_nothing_env(
+    opts: &[&str],
+    command: &[&str],
+    env: &[(&str, &str)],
+) -> Outcome {
     let ws = std::env::temp_dir().join(format!(
         "amvm-tracked-{}-{}",
         std::process::id(),
@@ -131,7 +146,7 @@ pub fn run_vm_leaving_nothing(opts: &[&str], command: &[&str]) -> Outcome {
     let ws_str = ws.to_str().expect("a UTF-8 temp dir").to_string();
     let mut all = vec!["--workspace", ws_str.as_str()];
     all.extend_from_slice(opts);
-    let child = spawn_vm(&all, command);
+    let child = spawn_vm_env(&all, command, env);
     let pid = child.id();
     let out = child.wait_with_output().expect("waiting for amvm");
     leftovers::nothing_left(&ws_str, pid);

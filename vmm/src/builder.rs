@@ -7,6 +7,7 @@ use crate::boot::{self, initramfs};
 use crate::config::RunConfig;
 use crate::fs::Virtiofsd;
 use crate::output::{ConsoleSink, Report};
+use crate::seccomp::{Policy, SeccompError, ThreadKind};
 use crate::signals::{self, Signals};
 use crate::vstate::kvm::{Kvm, KvmError};
 use crate::vstate::memory::{self, MemoryError};
@@ -53,6 +54,10 @@ pub enum RunError {
     Thread(io::Error),
     #[error("timed out after {0} s")]
     Timeout(u64),
+    #[error(transparent)]
+    Seccomp(#[from] SeccompError),
+    #[error(transparent)]
+    Jail(#[from] crate::jail::JailError),
     #[error("setting up signal forwarding: {0}")]
     Signals(io::Error),
     #[error("interrupted by {}: {why}", signals::name(*.sig))]
@@ -98,9 +103,16 @@ const SIGNAL_GRACE: Duration = Duration::from_secs(10);
 /// On return the vCPU threads may still be inside KVM_RUN: the caller exits the process.
 pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let deadline = cfg.timeout.map(|t| (Instant::now() + t, t.as_secs()));
+    // While this is the only thread: no privilege gain by exec, an empty network namespace and
+    // a private mount namespace (jail.rs). Everything amvm starts inherits them.
+    crate::jail::no_new_privs()?;
+    crate::jail::enter_namespaces()?;
     // Before any thread starts (they inherit the mask): SIGINT/SIGTERM/SIGHUP wait in a
     // signalfd for the loop below, which forwards them to the workload.
     let signals = Signals::block().map_err(RunError::Signals)?;
+    // Every thread started from here on filters itself (seccomp.rs); the guest runs only once
+    // all of them, this one last, have.
+    let policy = Policy::new(cfg.seccomp)?;
 
     // Host-side inputs first (cheap, and the user's to fix), then KVM.
     let egress = match &cfg.egress {
@@ -115,13 +127,17 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let mut fs_devices = Vec::with_capacity(cfg.shares.len());
     for (tag, dir) in &cfg.shares {
         let stable = tag == crate::config::TAG_SYSTEM;
-        let (mut backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable)?;
+        let (mut backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, &policy)?;
         match VhostUserFs::new(tag, stream) {
             Ok(dev) => fs_devices.push(dev),
             Err(e) => return Err(backend.failure(e.to_string()).into()),
         }
         backends.push(backend);
     }
+    // virtiofsd has what it needs (as root, its sandbox's capabilities come from ours: with
+    // no_new_privs an exec cannot gain any), so amvm drops all of its own now; every thread
+    // does the same as it filters itself (seccomp.rs).
+    crate::jail::drop_capabilities()?;
 
     let mem_bytes = cfg.mem_mib << 20;
     let mem = memory::create(cfg.mem_mib)?;
@@ -151,10 +167,25 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         legacy::I8042_PORTS,
         Arc::new(Mutex::new(reset)),
     )?;
-    let (ports, control) =
-        crate::control::start(report.clone(), egress, &cfg.spec.encode(), cfg.spec.stdin)
-            .map_err(RunError::Control)?;
-    let vsock = VsockDevice::new(GUEST_CID, ports).map_err(RunError::Vsock)?;
+    let (ports, control) = crate::control::start(
+        &policy,
+        report.clone(),
+        egress,
+        &cfg.spec.encode(),
+        cfg.spec.stdin,
+    )
+    .map_err(RunError::Control)?;
+    let p = policy.clone();
+    policy.expect_thread();
+    let vsock = VsockDevice::with_thread_hook(
+        GUEST_CID,
+        ports,
+        Box::new(move || p.enter(ThreadKind::EventLoop)),
+    )
+    .map_err(|e| {
+        policy.forget_thread();
+        RunError::Vsock(e)
+    })?;
     let mut virtio_entries = vec![attach_virtio(
         &vm,
         &mem,
@@ -202,9 +233,11 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     for (id, vcpu) in vcpus.into_iter().enumerate() {
         let (pio, mmio, stops) = (pio.clone(), mmio.clone(), stops.clone());
         let done = exit_evt.try_clone().map_err(RunError::EventFd)?;
+        let p = policy.clone();
         std::thread::Builder::new()
             .name(format!("vcpu{id}"))
             .spawn(move || {
+                p.enter_vcpu();
                 let r = vcpu.run(&pio, &mmio);
                 stops.lock().unwrap_or_else(|p| p.into_inner()).push(r);
                 let _ = done.0.write(1);
@@ -213,6 +246,8 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     }
     // vCPU threads keep using guest memory and the VM until the process exits.
     std::mem::forget((vm, mem));
+    // Last: this thread's filter, once every other thread has its own; then the vCPUs run.
+    policy.seal()?;
 
     // Wait for the guest to stop; forward signals meanwhile.
     let epoll = Waiter::new(&[&exit_evt, &reset_evt], &signals).map_err(RunError::EventFd)?;

@@ -75,6 +75,10 @@ pub struct RunArgs {
     /// Show the guest's kernel log on stderr.
     #[arg(long)]
     pub console: bool,
+    /// Run amvm's own threads without their seccomp filters: for debugging amvm only, never
+    /// for untrusted code (docs/threat-model.md).
+    #[arg(long)]
+    pub no_seccomp: bool,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,
@@ -141,6 +145,7 @@ impl RunArgs {
             mem_mib: config::check_mem(self.mem)?,
             cpus: config::check_cpus(self.cpus)?,
             console: self.console,
+            seccomp: !self.no_seccomp,
             timeout,
             spec,
             egress: self.egress,

@@ -51,6 +51,8 @@ pub struct RunConfig {
     pub cpus: u8,
     /// Show the guest's kernel console on stderr.
     pub console: bool,
+    /// Filter amvm's own threads with seccomp (off only with `--no-seccomp`).
+    pub seccomp: bool,
     pub timeout: Option<Duration>,
     pub spec: RunSpec,
     /// virtio-fs shares: (tag, host directory), each served read-only by its own virtiofsd.

@@ -14,6 +14,7 @@
 //! half-closes at EOF, so the workload reads exactly our stdin and then EOF.
 
 use crate::output::{ChannelSink, Report};
+use crate::seccomp::{Policy, ThreadKind};
 use amvm_devices::vsock::connection::HostStream;
 use amvm_devices::vsock::muxer::Backend;
 use amvm_egress::{Egress, EgressStream};
@@ -120,6 +121,7 @@ impl Backend for Ports {
 /// Start the control channel's threads (and, with `stdin`, the stdin copier); returns the ports
 /// for the vsock device and the handle that forwards signals.
 pub fn start(
+    policy: &Policy,
     report: Arc<Mutex<Report>>,
     egress: Option<Egress>,
     spec: &[u8],
@@ -132,9 +134,12 @@ pub fn start(
     encode_frame(FrameKind::Spec, spec, &mut first);
     let (tx, rx) = mpsc::channel::<u8>();
     let mut writer = ours.try_clone()?;
+    let p = policy.clone();
+    policy.expect_thread();
     std::thread::Builder::new()
         .name("control-tx".into())
         .spawn(move || {
+            p.enter(ThreadKind::Helper);
             if writer.write_all(&first).is_err() {
                 return;
             }
@@ -147,9 +152,12 @@ pub fn start(
             }
         })?;
 
+    let p = policy.clone();
+    policy.expect_thread();
     std::thread::Builder::new()
         .name("control".into())
         .spawn(move || {
+            p.enter(ThreadKind::Helper);
             let mut sink = ChannelSink::new(io::stdout(), io::stderr(), report.clone());
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -172,9 +180,12 @@ pub fn start(
     let stdin = if stdin {
         let (mut ours, device_end) = UnixStream::pair()?;
         device_end.set_nonblocking(true)?;
+        let p = policy.clone();
+        policy.expect_thread();
         std::thread::Builder::new()
             .name("stdin".into())
             .spawn(move || {
+                p.enter(ThreadKind::Helper);
                 let mut input = io::stdin().lock();
                 let mut buf = vec![0u8; 64 * 1024];
                 loop {

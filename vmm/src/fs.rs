@@ -10,6 +10,7 @@
 //! * Errors: its stderr is collected, so a backend that fails to start is reported with its own
 //!   words.
 
+use crate::seccomp::{Policy, ThreadKind};
 use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::DirBuilderExt;
@@ -20,7 +21,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The virtiofsd release amvm is built and tested against (images/setup installs it).
+/// The virtiofsd release amvm is built and tested against (`images/install-virtiofsd` pins it;
+/// amvm refuses another: its command line and sandbox flags are those of this version).
 pub const VIRTIOFSD_VERSION: &str = "1.14.0";
 /// How much of virtiofsd's stderr is kept for error reports.
 const STDERR_KEEP: usize = 8192;
@@ -29,6 +31,8 @@ const STDERR_KEEP: usize = 8192;
 pub enum FsError {
     #[error("virtiofsd not found at {0} (run images/setup, or set AMVM_VIRTIOFSD)")]
     NotFound(PathBuf),
+    #[error("{bin} is {found:?}, not the virtiofsd {VIRTIOFSD_VERSION} amvm was built and tested with (run images/setup, or point AMVM_VIRTIOFSD at that version)")]
+    Version { bin: PathBuf, found: String },
     #[error("the socket for virtiofsd: {0}")]
     Socket(io::Error),
     #[error("starting virtiofsd ({bin}) for {dir}: {source}")]
@@ -61,6 +65,28 @@ pub fn virtiofsd_path(cache: &Path) -> PathBuf {
         .unwrap_or_else(|| cache.join("virtiofsd/bin/virtiofsd"))
 }
 
+/// `bin --version` must say `virtiofsd VIRTIOFSD_VERSION`.
+fn check_version(bin: &Path) -> Result<(), FsError> {
+    let out = Command::new(bin)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .map_err(|source| FsError::Spawn {
+            bin: bin.to_owned(),
+            dir: PathBuf::from("--version"),
+            source,
+        })?;
+    let found = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    if found != format!("virtiofsd {VIRTIOFSD_VERSION}") {
+        return Err(FsError::Version {
+            bin: bin.to_owned(),
+            found,
+        });
+    }
+    Ok(())
+}
+
 /// A running virtiofsd.
 #[derive(Debug)]
 pub struct Virtiofsd {
@@ -74,10 +100,16 @@ impl Virtiofsd {
     /// `stable`: the tree does not change while the guest runs (a system root), so the guest
     /// may cache names and attributes for good (`--cache=always`); otherwise (a workspace the
     /// user may be editing) for about a second (`--cache=auto`).
-    pub fn spawn(bin: &Path, dir: &Path, stable: bool) -> Result<(Virtiofsd, UnixStream), FsError> {
+    pub fn spawn(
+        bin: &Path,
+        dir: &Path,
+        stable: bool,
+        policy: &Policy,
+    ) -> Result<(Virtiofsd, UnixStream), FsError> {
         if !bin.is_file() {
             return Err(FsError::NotFound(bin.to_owned()));
         }
+        check_version(bin)?;
         let (listener, stream) = private_socket().map_err(FsError::Socket)?;
         let fd = listener.as_raw_fd();
         let mut cmd = Command::new(bin);
@@ -111,9 +143,12 @@ impl Virtiofsd {
         let stderr: Arc<Mutex<String>> = Arc::default();
         if let Some(mut pipe) = child.stderr.take() {
             let keep = stderr.clone();
-            let _ = std::thread::Builder::new()
+            let p = policy.clone();
+            policy.expect_thread();
+            let spawned = std::thread::Builder::new()
                 .name("virtiofsd-err".into())
                 .spawn(move || {
+                    p.enter(ThreadKind::Helper);
                     let mut buf = [0u8; 4096];
                     while let Ok(n) = pipe.read(&mut buf) {
                         if n == 0 {
@@ -127,6 +162,11 @@ impl Virtiofsd {
                         }
                     }
                 });
+            if spawned.is_err() {
+                // Without the thread virtiofsd's stderr goes unread (its messages are lost, it
+                // still runs); the seccomp gate must not wait for it.
+                policy.forget_thread();
+            }
         }
         Ok((
             Virtiofsd {
@@ -239,6 +279,37 @@ fn nonce() -> u32 {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_expected_virtiofsd_is_the_one_images_setup_installs() {
+        let script = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../images/install-virtiofsd"
+        ))
+        .unwrap();
+        assert!(
+            script
+                .lines()
+                .any(|l| l == format!("version={}", super::VIRTIOFSD_VERSION)),
+            "images/install-virtiofsd pins another version than fs.rs expects"
+        );
+    }
+
+    #[test]
+    fn a_virtiofsd_of_another_version_is_refused_by_name() {
+        let dir = std::env::temp_dir().join(format!("amvm-fake-vfsd-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fake = dir.join("virtiofsd");
+        std::fs::write(&fake, "#!/bin/sh\necho virtiofsd 1.7.0\n").unwrap();
+        std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .unwrap();
+        let e = super::check_version(&fake).unwrap_err().to_string();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            e.contains("is \"virtiofsd 1.7.0\", not the virtiofsd 1.14.0"),
+            "{e}"
+        );
+    }
+
     use super::*;
 
     #[test]
@@ -267,8 +338,13 @@ mod tests {
 
     #[test]
     fn a_missing_virtiofsd_is_named() {
-        let e = Virtiofsd::spawn(Path::new("/nonexistent/virtiofsd"), Path::new("/"), true)
-            .unwrap_err();
+        let e = Virtiofsd::spawn(
+            Path::new("/nonexistent/virtiofsd"),
+            Path::new("/"),
+            true,
+            &Policy::new(false).unwrap(),
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("/nonexistent/virtiofsd"), "{e}");
     }
 }

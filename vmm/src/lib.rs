@@ -11,7 +11,9 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod fs;
+pub mod jail;
 pub mod output;
+pub mod seccomp;
 pub mod signals;
 pub mod vstate;
 

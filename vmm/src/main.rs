@@ -9,6 +9,11 @@ use std::io::Write;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // Before anything opens a descriptor: drop whatever the caller leaked to us.
+    if let Err(e) = amvm::jail::close_inherited_fds() {
+        eprintln!("amvm: {e}");
+        return ExitCode::from(exit::AMVM_FAILURE);
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "off".into()),

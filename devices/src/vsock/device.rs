@@ -29,11 +29,22 @@ const FIRST_CONN_TOKEN: u64 = 16;
 /// A virtio-vsock device for one guest CID, serving the ports its backend publishes.
 pub struct VsockDevice<B: Backend> {
     guest_cid: u64,
-    backend: Option<B>,
     queue_sizes: [u16; 3],
     acked_features: u64,
     kill: EventFd,
+    /// The worker thread exists from the start (so it is filtered before the guest runs, see
+    /// [`VsockDevice::with_thread_hook`]) and waits here for the device's activation.
+    activate: Option<std::sync::mpsc::SyncSender<Activation>>,
     worker: Option<JoinHandle<()>>,
+    _backend: std::marker::PhantomData<fn() -> B>,
+}
+
+/// What the guest's DRIVER_OK hands the worker.
+struct Activation {
+    mem: GuestMemoryMmap,
+    queues: Vec<Queue>,
+    queue_evts: Vec<EventFd>,
+    interrupt: Arc<InterruptStatus>,
 }
 
 impl<B: Backend> std::fmt::Debug for VsockDevice<B> {
@@ -50,13 +61,64 @@ where
     B::Stream: AsRawFd + Send + std::fmt::Debug,
 {
     pub fn new(guest_cid: u64, backend: B) -> io::Result<Self> {
+        Self::with_thread_hook(guest_cid, backend, Box::new(|| {}))
+    }
+
+    /// Like [`VsockDevice::new`]; the worker thread starts now and runs `on_start` first (the
+    /// VMM installs the thread's seccomp filter there), then waits for the guest to activate
+    /// the device.
+    pub fn with_thread_hook(
+        guest_cid: u64,
+        backend: B,
+        on_start: Box<dyn FnOnce() + Send>,
+    ) -> io::Result<Self> {
+        let kill = EventFd::new(libc::EFD_NONBLOCK)?;
+        let worker_kill = kill.try_clone()?;
+        let epoll = Epoll::new()?;
+        let (activate, activation) = std::sync::mpsc::sync_channel::<Activation>(1);
+        let worker = std::thread::Builder::new()
+            .name("vsock".into())
+            .spawn(move || {
+                on_start();
+                // The sender goes away without activating when the device is dropped first.
+                let Ok(a) = activation.recv() else { return };
+                let mut queues = a.queues.into_iter();
+                let mut evts = a.queue_evts.into_iter();
+                let (Some(rx), Some(tx), Some(rx_evt), Some(tx_evt), Some(evq_evt)) = (
+                    queues.next(),
+                    queues.next(),
+                    evts.next(),
+                    evts.next(),
+                    evts.next(),
+                ) else {
+                    return;
+                };
+                Worker {
+                    mem: a.mem,
+                    rx,
+                    tx,
+                    rx_evt,
+                    tx_evt,
+                    evq_evt,
+                    kill: worker_kill,
+                    interrupt: a.interrupt,
+                    muxer: Muxer::new(backend, guest_cid, CONN_BUF_ALLOC),
+                    epoll,
+                    polled: HashMap::new(),
+                    tokens: HashMap::new(),
+                    next_token: FIRST_CONN_TOKEN,
+                    rx_starved: false,
+                }
+                .run()
+            })?;
         Ok(VsockDevice {
             guest_cid,
-            backend: Some(backend),
             queue_sizes: [QUEUE_SIZE; 3],
             acked_features: 0,
-            kill: EventFd::new(libc::EFD_NONBLOCK)?,
-            worker: None,
+            kill,
+            activate: Some(activate),
+            worker: Some(worker),
+            _backend: std::marker::PhantomData,
         })
     }
 }
@@ -64,6 +126,7 @@ where
 impl<B: Backend> Drop for VsockDevice<B> {
     fn drop(&mut self) {
         let _ = self.kill.write(1);
+        self.activate.take();
         if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
@@ -111,29 +174,20 @@ where
                 return Err(ActivateError::QueueNotReady { index });
             }
         }
-        let backend = self.backend.take().ok_or(ActivateError::AlreadyActivated)?;
-        let mut queues = queues.into_iter();
-        let mut evts = queue_evts.into_iter();
-        let worker = Worker {
-            mem,
-            rx: queues.next().expect("3 queues"),
-            tx: queues.next().expect("3 queues"),
-            rx_evt: evts.next().expect("3 events"),
-            tx_evt: evts.next().expect("3 events"),
-            evq_evt: evts.next().expect("3 events"),
-            kill: self.kill.try_clone()?,
-            interrupt,
-            muxer: Muxer::new(backend, self.guest_cid, CONN_BUF_ALLOC),
-            epoll: Epoll::new()?,
-            polled: HashMap::new(),
-            tokens: HashMap::new(),
-            next_token: FIRST_CONN_TOKEN,
-            rx_starved: false,
-        };
-        let handle = std::thread::Builder::new()
-            .name("vsock".into())
-            .spawn(move || worker.run())?;
-        self.worker = Some(handle);
+        let activate = self
+            .activate
+            .take()
+            .ok_or(ActivateError::AlreadyActivated)?;
+        activate
+            .send(Activation {
+                mem,
+                queues,
+                queue_evts,
+                interrupt,
+            })
+            .map_err(|_| {
+                ActivateError::Backend(io::Error::other("the vsock worker thread has stopped"))
+            })?;
         Ok(())
     }
 }

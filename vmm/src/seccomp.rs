@@ -1,0 +1,507 @@
+//! Per-thread seccomp filters (built with `seccompiler`): every thread of amvm installs the
+//! filter of its kind before the guest runs its first instruction, and anything else it asks
+//! the kernel for kills the process with a report naming the system call.
+//!
+//! Kinds: the main thread (`vmm`: waits for the guest, forwards signals, reaps virtiofsd), the
+//! vCPU threads (`KVM_RUN` and the devices' register handlers), the vsock device's event loop
+//! (guest packets, host streams, new egress connections) and the helper threads (the control
+//! channel's reader and writer, stdin, virtiofsd's stderr). The lists are what each kind was
+//! measured to use (`strace -f` of the test suite's scenarios, docs/threat-model.md) and nothing
+//! more; ioctl is narrowed to its request numbers, socket(2) to AF_UNIX.
+//!
+//! Each thread also drops every capability it holds before it filters itself (jail.rs).
+//!
+//! Ordering: threads that exist before the guest starts install theirs as their first act and
+//! count themselves in with [`Gate`]; the vCPU threads install theirs, then wait at the gate
+//! until the main thread, last, has installed its own. So no guest instruction runs while any
+//! thread of amvm is unfiltered.
+
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+use std::cell::Cell;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Condvar, Mutex};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    #[error("building the {0} thread's seccomp filter: {1}")]
+    Build(&'static str, seccompiler::BackendError),
+    #[error("compiling the {0} thread's seccomp filter: {1}")]
+    Compile(&'static str, seccompiler::BackendError),
+    #[error("installing the {0} thread's seccomp filter: {1}")]
+    Install(&'static str, seccompiler::Error),
+    #[error("installing the SIGSYS handler: {0}")]
+    Handler(std::io::Error),
+    #[error(transparent)]
+    Jail(#[from] crate::jail::JailError),
+}
+
+/// The kinds of thread amvm has, each with its own filter.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ThreadKind {
+    Vmm,
+    Vcpu,
+    EventLoop,
+    Helper,
+}
+
+impl ThreadKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ThreadKind::Vmm => "vmm",
+            ThreadKind::Vcpu => "vcpu",
+            ThreadKind::EventLoop => "vsock event loop",
+            ThreadKind::Helper => "helper",
+        }
+    }
+
+    /// For the test-only hook `AMVM_TEST_SECCOMP_TRIP`.
+    fn from_env_name(s: &str) -> Option<ThreadKind> {
+        match s {
+            "vmm" => Some(ThreadKind::Vmm),
+            "vcpu" => Some(ThreadKind::Vcpu),
+            "event-loop" => Some(ThreadKind::EventLoop),
+            "helper" => Some(ThreadKind::Helper),
+            _ => None,
+        }
+    }
+}
+
+// What every thread needs: its own memory (the allocator), locks, time, signal returns, and
+// ending. No file opening, no process creation, no new sockets.
+const COMMON: &[i64] = &[
+    libc::SYS_read,
+    libc::SYS_write,
+    libc::SYS_close,
+    libc::SYS_futex,
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mremap,
+    libc::SYS_mprotect,
+    libc::SYS_madvise,
+    libc::SYS_brk,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_sigaltstack,
+    libc::SYS_sched_yield,
+    libc::SYS_clock_gettime,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_nanosleep,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+    // std's HashMap seeds its hasher from getrandom(2) on a thread's first map.
+    libc::SYS_getrandom,
+    // A panic's abort() signals the thread itself: let it report the panic, not this filter.
+    libc::SYS_getpid,
+    libc::SYS_gettid,
+    libc::SYS_tgkill,
+];
+
+const VMM: &[i64] = &[
+    libc::SYS_epoll_create1,
+    libc::SYS_epoll_ctl,
+    libc::SYS_epoll_wait,
+    // Reaping virtiofsd on the way out (Child::kill, then wait).
+    libc::SYS_kill,
+    libc::SYS_wait4,
+];
+
+const VCPU: &[i64] = &[
+    // vhost-user messages to virtiofsd when the guest activates a virtio-fs device (the
+    // memory table and the queues' eventfds travel as SCM_RIGHTS).
+    libc::SYS_sendmsg,
+    libc::SYS_recvmsg,
+];
+
+const EVENT_LOOP: &[i64] = &[
+    libc::SYS_epoll_ctl,
+    libc::SYS_epoll_wait,
+    // Egress streams: connect(2) on the unix socket socket(2) made (narrowed below), then
+    // send/recv/shutdown on the streams.
+    libc::SYS_connect,
+    libc::SYS_shutdown,
+    libc::SYS_sendto,
+    libc::SYS_recvfrom,
+];
+
+const HELPER: &[i64] = &[libc::SYS_shutdown, libc::SYS_sendto, libc::SYS_recvfrom];
+
+// ioctl request numbers, narrowed per kind (arg 1). From <linux/kvm.h>.
+const KVM_RUN: u64 = 0xae80;
+const KVM_GET_REGS: u64 = 0x8090_ae81;
+
+fn cond(arg: u8, value: u64) -> Result<SeccompRule, seccompiler::BackendError> {
+    SeccompRule::new(vec![SeccompCondition::new(
+        arg,
+        SeccompCmpArgLen::Dword,
+        SeccompCmpOp::Eq,
+        value,
+    )?])
+}
+
+fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompiler::BackendError> {
+    let extra = match kind {
+        ThreadKind::Vmm => VMM,
+        ThreadKind::Vcpu => VCPU,
+        ThreadKind::EventLoop => EVENT_LOOP,
+        ThreadKind::Helper => HELPER,
+    };
+    let mut map: BTreeMap<i64, Vec<SeccompRule>> = COMMON
+        .iter()
+        .chain(extra)
+        .map(|&nr| (nr, Vec::new()))
+        .collect();
+    // fcntl: std checks a descriptor with F_GETFD before closing it; try_clone() of an fd is
+    // F_DUPFD_CLOEXEC (the vCPU hands eventfds to virtiofsd that way).
+    map.insert(
+        libc::SYS_fcntl,
+        vec![
+            cond(1, libc::F_GETFD as u64)?,
+            cond(1, libc::F_DUPFD_CLOEXEC as u64)?,
+        ],
+    );
+    match kind {
+        ThreadKind::Vcpu => {
+            map.insert(
+                libc::SYS_ioctl,
+                vec![cond(1, KVM_RUN)?, cond(1, KVM_GET_REGS)?],
+            );
+        }
+        ThreadKind::EventLoop => {
+            // A new egress stream: a unix socket, made non-blocking.
+            map.insert(
+                libc::SYS_socket,
+                vec![SeccompRule::new(vec![
+                    SeccompCondition::new(
+                        0,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::Eq,
+                        libc::AF_UNIX as u64,
+                    )?,
+                    SeccompCondition::new(
+                        1,
+                        SeccompCmpArgLen::Dword,
+                        SeccompCmpOp::MaskedEq(0xf),
+                        libc::SOCK_STREAM as u64,
+                    )?,
+                ])?],
+            );
+            map.insert(libc::SYS_ioctl, vec![cond(1, libc::FIONBIO)?]);
+        }
+        ThreadKind::Vmm | ThreadKind::Helper => {}
+    }
+    Ok(map)
+}
+
+/// The compiled filter for `kind`. `audit`: log what the filter would refuse instead of
+/// refusing it (AMVM_SECCOMP_AUDIT=1, for measuring the lists; never the default).
+pub fn program(kind: ThreadKind, audit: bool) -> Result<BpfProgram, SeccompError> {
+    let mismatch = if audit {
+        SeccompAction::Log
+    } else {
+        SeccompAction::Trap
+    };
+    let filter = SeccompFilter::new(
+        rules(kind).map_err(|e| SeccompError::Build(kind.name(), e))?,
+        mismatch,
+        SeccompAction::Allow,
+        TargetArch::x86_64,
+    )
+    .map_err(|e| SeccompError::Build(kind.name(), e))?;
+    filter
+        .try_into()
+        .map_err(|e| SeccompError::Compile(kind.name(), e))
+}
+
+thread_local! {
+    // The kind this thread filtered itself as, for the SIGSYS report. Const-initialized: reading
+    // it in the signal handler allocates nothing and takes no lock.
+    static KIND: Cell<Option<ThreadKind>> = const { Cell::new(None) };
+}
+
+/// How amvm filters its threads: on (the default), audit-only, or off (`--no-seccomp`).
+#[derive(Clone, Debug)]
+pub struct Policy {
+    enabled: bool,
+    audit: bool,
+    trip: Option<ThreadKind>,
+    gate: Arc<Gate>,
+}
+
+impl Policy {
+    /// `enabled`: false for `--no-seccomp`. Installs the SIGSYS handler when enabled.
+    pub fn new(enabled: bool) -> Result<Policy, SeccompError> {
+        let audit = std::env::var_os("AMVM_SECCOMP_AUDIT").is_some_and(|v| v == "1");
+        let trip = std::env::var("AMVM_TEST_SECCOMP_TRIP")
+            .ok()
+            .and_then(|s| ThreadKind::from_env_name(&s));
+        if enabled {
+            install_sigsys_handler().map_err(SeccompError::Handler)?;
+        }
+        Ok(Policy {
+            enabled,
+            audit,
+            trip,
+            gate: Arc::new(Gate::default()),
+        })
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Filter the calling thread as `kind`. With the test-only hook `AMVM_TEST_SECCOMP_TRIP=KIND`
+    /// the first thread of that kind then makes a forbidden call (ptrace), to show the report.
+    pub fn apply(&self, kind: ThreadKind) -> Result<(), SeccompError> {
+        KIND.with(|k| k.set(Some(kind)));
+        // Capabilities are per thread: each one gives up its own (a no-op when already none).
+        crate::jail::drop_capabilities()?;
+        if !self.enabled {
+            return Ok(());
+        }
+        let prog = program(kind, self.audit)?;
+        seccompiler::apply_filter(&prog).map_err(|e| SeccompError::Install(kind.name(), e))?;
+        if self.trip == Some(kind) {
+            // SAFETY: a ptrace(PTRACE_TRACEME) attempt with no pointers; the filter traps it.
+            unsafe { libc::syscall(libc::SYS_ptrace, libc::PTRACE_TRACEME, 0, 0, 0) };
+        }
+        Ok(())
+    }
+
+    /// For a thread that exists before the guest starts: filter it and count it in. A thread
+    /// that cannot be filtered stops the process (it must not run unfiltered beside a guest).
+    pub fn enter(&self, kind: ThreadKind) {
+        if let Err(e) = self.apply(kind) {
+            fatal(&e);
+        }
+        self.gate.arrived();
+    }
+
+    /// Count a thread that [`Policy::enter`] will count in (call before spawning it).
+    pub fn expect_thread(&self) {
+        self.gate.expect();
+    }
+
+    /// Undo [`Policy::expect_thread`] for a thread that could not be spawned.
+    pub fn forget_thread(&self) {
+        self.gate.forget();
+    }
+
+    /// The main thread, last: wait until every expected thread has filtered itself, filter
+    /// this one, and let the vCPUs run.
+    pub fn seal(&self) -> Result<(), SeccompError> {
+        self.gate.wait_arrivals();
+        let r = self.apply(ThreadKind::Vmm);
+        self.gate.open();
+        r
+    }
+
+    /// A vCPU thread: filter it, then wait until the main thread has sealed.
+    pub fn enter_vcpu(&self) {
+        if let Err(e) = self.apply(ThreadKind::Vcpu) {
+            fatal(&e);
+        }
+        self.gate.wait_open();
+    }
+}
+
+fn fatal(e: &SeccompError) -> ! {
+    eprintln!("amvm: {e}");
+    std::process::exit(i32::from(crate::exit::AMVM_FAILURE));
+}
+
+/// Counts the threads that filter themselves, and holds the vCPUs until all have.
+#[derive(Debug, Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    expected: usize,
+    arrived: usize,
+    open: bool,
+}
+
+impl Gate {
+    fn lock(&self) -> std::sync::MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn expect(&self) {
+        self.lock().expected += 1;
+    }
+    fn forget(&self) {
+        let mut s = self.lock();
+        s.expected = s.expected.saturating_sub(1);
+        drop(s);
+        self.changed.notify_all();
+    }
+    fn arrived(&self) {
+        self.lock().arrived += 1;
+        self.changed.notify_all();
+    }
+    fn wait_arrivals(&self) {
+        let mut s = self.lock();
+        while s.arrived < s.expected {
+            s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+    fn open(&self) {
+        self.lock().open = true;
+        self.changed.notify_all();
+    }
+    fn wait_open(&self) {
+        let mut s = self.lock();
+        while !s.open {
+            s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+include!(concat!(env!("OUT_DIR"), "/syscall_names.rs"));
+
+/// The name of x86_64 system call `nr`, from the kernel headers amvm was built with.
+pub fn syscall_name(nr: i64) -> Option<&'static str> {
+    SYSCALL_NAMES
+        .binary_search_by_key(&nr, |&(n, _)| n)
+        .ok()
+        .map(|i| SYSCALL_NAMES[i].1)
+}
+
+fn install_sigsys_handler() -> std::io::Result<()> {
+    // SAFETY: sigaction is plain data; all zeroes is "no flags, empty mask, SIG_DFL".
+    let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+    sa.sa_sigaction = on_sigsys as *const () as usize;
+    sa.sa_flags = libc::SA_SIGINFO;
+    // SAFETY: installs `on_sigsys`, which only makes async-signal-safe calls, for SIGSYS.
+    if unsafe { libc::sigaction(libc::SIGSYS, &sa, std::ptr::null_mut()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A small buffer on the stack for the report (no allocation in a signal handler).
+struct Msg {
+    buf: [u8; 256],
+    len: usize,
+}
+
+impl Msg {
+    fn push(&mut self, s: &[u8]) {
+        let n = s.len().min(self.buf.len() - self.len);
+        self.buf[self.len..self.len + n].copy_from_slice(&s[..n]);
+        self.len += n;
+    }
+    fn push_num(&mut self, mut v: u64) {
+        let mut digits = [0u8; 20];
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+            if v == 0 {
+                break;
+            }
+        }
+        self.push(&digits[i..]);
+    }
+}
+
+/// SIGSYS from the filter: name the thread kind and the system call, then end the process with
+/// amvm's failure status. Only write(2) and exit_group(2), which every filter allows.
+extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mut libc::c_void) {
+    // The kernel's siginfo for SIGSYS (`_sigsys`): after si_signo, si_errno, si_code (3 ints
+    // and 4 bytes of padding) come `void *_call_addr` at 16 and `int _syscall` at 24.
+    // SAFETY: `info` is the kernel's siginfo for this signal (SA_SIGINFO), at least 128 bytes;
+    // offset 24 holds the 4-byte syscall number for SIGSYS.
+    let at = (info as *const u8).wrapping_add(24) as *const i32;
+    // SAFETY: see above: `at` is inside the kernel's siginfo, 4 readable bytes.
+    let nr = unsafe { std::ptr::read_unaligned(at) };
+    let kind = KIND
+        .with(|k| k.get())
+        .map_or("unfiltered", ThreadKind::name);
+    let mut m = Msg {
+        buf: [0; 256],
+        len: 0,
+    };
+    m.push(b"amvm: seccomp: the ");
+    m.push(kind.as_bytes());
+    m.push(b" thread made a forbidden system call: ");
+    match syscall_name(i64::from(nr)) {
+        Some(name) => m.push(name.as_bytes()),
+        None => m.push(b"unknown"),
+    }
+    m.push(b" (");
+    m.push_num(nr as u64);
+    m.push(b"); amvm stopped the VM (--no-seccomp turns the filters off, for debugging only)\n");
+    // SAFETY: write(2) of our own stack buffer: async-signal-safe.
+    unsafe { libc::write(2, m.buf.as_ptr().cast(), m.len) };
+    // SAFETY: exit_group(2) ends the process; nothing runs after it.
+    unsafe { libc::syscall(libc::SYS_exit_group, i32::from(crate::exit::AMVM_FAILURE)) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_compiles() {
+        for kind in [
+            ThreadKind::Vmm,
+            ThreadKind::Vcpu,
+            ThreadKind::EventLoop,
+            ThreadKind::Helper,
+        ] {
+            let p = program(kind, false).unwrap();
+            assert!(p.len() > 10, "{kind:?}: {} instructions", p.len());
+        }
+    }
+
+    #[test]
+    fn syscall_names_come_from_the_headers() {
+        assert_eq!(syscall_name(libc::SYS_read), Some("read"));
+        assert_eq!(syscall_name(libc::SYS_ptrace), Some("ptrace"));
+        assert_eq!(
+            syscall_name(libc::SYS_io_uring_setup),
+            Some("io_uring_setup")
+        );
+        assert_eq!(syscall_name(100_000), None);
+        assert!(SYSCALL_NAMES.windows(2).all(|w| w[0].0 < w[1].0));
+    }
+
+    /// A filtered thread may do what its list says and is refused the rest: run in a forked
+    /// child (a filter cannot be removed), with the trap turned into an exit status.
+    #[test]
+    fn a_forbidden_call_is_trapped_and_named() {
+        // SAFETY: fork in a test; the child only installs a filter, makes syscalls and exits.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let policy = Policy {
+                enabled: true,
+                audit: false,
+                trip: None,
+                gate: Arc::default(),
+            };
+            if install_sigsys_handler().is_err() || policy.apply(ThreadKind::Helper).is_err() {
+                // SAFETY: ending the forked child.
+                unsafe { libc::_exit(3) };
+            }
+            // Allowed: write. Forbidden for a helper: getppid.
+            // SAFETY: a zero-length write.
+            unsafe { libc::write(1, std::ptr::null(), 0) };
+            // SAFETY: a syscall without arguments.
+            unsafe { libc::syscall(libc::SYS_getppid) };
+            // SAFETY: ending the forked child.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: waiting for our own child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status), "status {status:#x}");
+        assert_eq!(libc::WEXITSTATUS(status), 125, "the SIGSYS handler's exit");
+    }
+}
