@@ -9,6 +9,12 @@ use std::io::Write;
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
+    // One malloc arena for all threads: glibc shrinks a thread's own arena with a one-time
+    // open("/proc/sys/vm/overcommit_memory"), which no thread's seccomp filter allows (nor
+    // should it); the main arena shrinks with brk(2). amvm has a handful of threads, so one
+    // arena costs nothing measurable.
+    // SAFETY: mallopt(3) with integer arguments, before any allocation by another thread.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
     // Before anything opens a descriptor: drop whatever the caller leaked to us.
     if let Err(e) = amvm::jail::close_inherited_fds() {
         eprintln!("amvm: {e}");
