@@ -157,6 +157,11 @@ impl Channel {
 }
 
 /// A connected AF_VSOCK stream socket.
+/// `<linux/vm_sockets.h>`: SO_VM_SOCKETS_CONNECT_TIMEOUT (the 64-bit `timeval` one on x86_64).
+const SO_VM_SOCKETS_CONNECT_TIMEOUT: libc::c_int = 6;
+/// How long a connect to the host may take before it fails.
+const CONNECT_TIMEOUT_SECS: libc::time_t = 60;
+
 pub fn vsock_connect(cid: u32, port: u32) -> io::Result<OwnedFd> {
     // SAFETY: socket(2) with constant arguments; the result is checked before use.
     let fd = unsafe { libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
@@ -165,6 +170,26 @@ pub fn vsock_connect(cid: u32, port: u32) -> io::Result<OwnedFd> {
     }
     // SAFETY: `fd` is a fresh descriptor that nothing else owns.
     let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // The kernel gives a vsock connect 2 s by default; a host that is busy (a loaded machine, or
+    // an emulated one) can take longer to answer, and a timed-out control channel fails the
+    // whole run. Wait up to CONNECT_TIMEOUT instead.
+    let tv = libc::timeval {
+        tv_sec: CONNECT_TIMEOUT_SECS,
+        tv_usec: 0,
+    };
+    // SAFETY: setsockopt(2) reads `tv`, a timeval of the given size that outlives the call.
+    let rc = unsafe {
+        libc::setsockopt(
+            owned.as_raw_fd(),
+            libc::AF_VSOCK,
+            SO_VM_SOCKETS_CONNECT_TIMEOUT,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
     // SAFETY: sockaddr_vm is plain data; all-zero is a valid value before we fill it in.
     let mut addr: libc::sockaddr_vm = unsafe { std::mem::zeroed() };
     addr.svm_family = libc::AF_VSOCK as libc::sa_family_t;
