@@ -282,12 +282,34 @@ fn no_backend_survives_a_timeout_sigterm_or_sigkill_of_amvm() {
 }
 
 #[test]
+fn a_virtiofsd_of_another_version_is_refused_before_anything_starts() {
+    let ws = Workspace::new("old-backend");
+    let fake = ws.0.join("virtiofsd");
+    std::fs::write(&fake, "#!/bin/sh\necho 'virtiofsd 1.7.0'\n").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    amvm_tests::require_kvm();
+    let o = amvm(
+        ["run", "--workspace", ws.path(), "--", "true"],
+        &[("AMVM_VIRTIOFSD", fake.to_str().unwrap())],
+    );
+    assert_eq!(o.code, 125, "{o:?}");
+    assert!(
+        o.stderr
+            .contains("is \"virtiofsd 1.7.0\", not the virtiofsd 1.14.0"),
+        "{}",
+        o.stderr
+    );
+}
+
+#[test]
 fn a_backend_that_fails_to_start_is_reported_with_its_stderr() {
     let ws = Workspace::new("bad-backend");
     let fake = ws.0.join("fake-virtiofsd");
     std::fs::write(
         &fake,
-        "#!/bin/sh\necho 'fake virtiofsd: cannot serve this' >&2\nexit 1\n",
+        "#!/bin/sh\n[ \"$1\" = --version ] && { echo 'virtiofsd 1.14.0'; exit 0; }\n\
+         echo 'fake virtiofsd: cannot serve this' >&2\nexit 1\n",
     )
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
