@@ -33,6 +33,9 @@ pub trait Backend {
 /// (guest port, host port).
 pub type ConnKey = (u32, u32);
 
+/// Most resets waiting for the guest at once (each is one 44-byte header).
+pub const MAX_PENDING_RSTS: usize = 1024;
+
 #[derive(Debug)]
 pub struct Muxer<B: Backend> {
     backend: B,
@@ -40,6 +43,8 @@ pub struct Muxer<B: Backend> {
     buf_alloc: u32,
     conns: BTreeMap<ConnKey, Connection<B::Stream>>,
     rsts: VecDeque<Header>,
+    /// Resets not queued because the queue was full (see `push_rst`).
+    dropped_rsts: u64,
     /// Where the round-robin over connections resumes.
     cursor: Option<ConnKey>,
 }
@@ -55,6 +60,7 @@ where
             buf_alloc,
             conns: BTreeMap::new(),
             rsts: VecDeque::new(),
+            dropped_rsts: 0,
             cursor: None,
         }
     }
@@ -80,7 +86,7 @@ where
         }
         if h.dst_cid != HOST_CID || h.type_ != TYPE_STREAM {
             if h.op != OP_RST {
-                self.rsts.push_back(rst_for(h));
+                self.push_rst(h);
             }
             return;
         }
@@ -100,13 +106,31 @@ where
                         "vsock: port {} could not reach its endpoint: {e}",
                         h.dst_port
                     );
-                    self.rsts.push_back(rst_for(h));
+                    self.push_rst(h);
                 }
-                None => self.rsts.push_back(rst_for(h)),
+                None => self.push_rst(h),
             },
             OP_RST => {}
-            _ => self.rsts.push_back(rst_for(h)),
+            _ => self.push_rst(h),
         }
+    }
+
+    /// Queue a reset answering `h`. The queue is bounded: a guest that sends packets for
+    /// connections that do not exist, faster than it takes the resets back (or while it gives
+    /// no RX buffers at all), would otherwise grow it without limit. A reset dropped here costs
+    /// the guest nothing it is owed: its side of a connection that does not exist times out.
+    fn push_rst(&mut self, h: &Header) {
+        if self.rsts.len() >= MAX_PENDING_RSTS {
+            self.dropped_rsts += 1;
+            if self.dropped_rsts.is_power_of_two() {
+                tracing::debug!(
+                    "vsock: {} resets dropped (the guest is not taking them back)",
+                    self.dropped_rsts
+                );
+            }
+            return;
+        }
+        self.rsts.push_back(rst_for(h));
     }
 
     /// True if a packet is certainly waiting for the guest (RSTs and control packets; data
@@ -243,6 +267,23 @@ mod tests {
         ports.published.insert(1024, true);
         ports.published.insert(1025, false);
         Muxer::new(ports, 3, 65536)
+    }
+
+    #[test]
+    fn resets_the_guest_does_not_take_back_stay_bounded() {
+        // A guest that floods packets for connections that do not exist and never reads.
+        let mut m = muxer();
+        for i in 0..100_000u32 {
+            m.recv_from_guest(&pkt(i, 9999, OP_REQUEST, b""));
+        }
+        let mut n = 0;
+        while m.next_for_guest(MAX_PKT_PAYLOAD).is_some() {
+            n += 1;
+        }
+        assert_eq!(n, MAX_PENDING_RSTS);
+        // Once taken back, new resets are queued again.
+        m.recv_from_guest(&pkt(1, 9999, OP_REQUEST, b""));
+        assert_eq!(m.next_for_guest(MAX_PKT_PAYLOAD).unwrap().0.op, OP_RST);
     }
 
     #[test]
