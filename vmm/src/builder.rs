@@ -208,12 +208,16 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
     let initrd = build_initramfs();
     let initrd_addr = boot::load_initramfs(&mem, mem_bytes, &kernel, &initrd)?;
+    let initrd_len = initrd.len();
+    // The guest has its copy: the VMM's own memory should not hold two more for the whole run.
+    drop(initrd);
+    release_guest_init_pages();
     let cmdline = boot::cmdline(cfg.console, &virtio_entries)?;
     boot::configure_pvh(
         &mem,
         mem_bytes,
         &cmdline,
-        (initrd_addr, initrd.len()),
+        (initrd_addr, initrd_len),
         cfg.cpus,
     )?;
 
@@ -390,6 +394,22 @@ fn build_initramfs() -> Vec<u8> {
     let mut a = initramfs::Archive::new();
     a.file("init", 0o755, crate::GUEST_INIT);
     a.finish()
+}
+
+/// guest-init is embedded in amvm's read-only data (`GUEST_INIT`, about 1.5 MiB); once it is in
+/// guest memory its pages in amvm are dead weight for the rest of the run. Give them back: they
+/// are file-backed and read-only, so a later read (none is expected) pages them in again.
+fn release_guest_init_pages() {
+    let page = 4096usize;
+    let start = crate::GUEST_INIT.as_ptr() as usize;
+    let end = start + crate::GUEST_INIT.len();
+    let (from, to) = (start.div_ceil(page) * page, end / page * page);
+    if to > from {
+        // SAFETY: [from, to) is whole pages inside the immutable, file-backed GUEST_INIT; no
+        // reference into it is written through, and MADV_DONTNEED on such a private file
+        // mapping only drops the resident copies.
+        unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_DONTNEED) };
+    }
 }
 
 /// What ended a wait.
