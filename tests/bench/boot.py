@@ -54,6 +54,75 @@ def timed(argv):
     return dt, p.returncode, ru.ru_maxrss, err.decode(errors="replace")[-2000:]
 
 
+def rss_fields(pid):
+    """RssAnon, RssFile, RssShmem of `pid` in KiB (None once it is gone)."""
+    try:
+        text = open(f"/proc/{pid}/status").read()
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines():
+        k, _, v = line.partition(":")
+        if k in ("RssAnon", "RssFile", "RssShmem"):
+            out[k] = int(v.split()[0])
+    return out if len(out) == 3 else None
+
+
+def vmm_memory(argv, settle_s=3.0):
+    """Run argv (a workload that prints a line, then sleeps), sampling the VMM's RSS every
+    20 ms. Guest RAM is a shared memfd mapping (RssShmem); the VMM's own memory is the rest
+    (RssAnon + RssFile). Returns (peak own KiB, steady own KiB: the median over `settle_s`
+    from 0.5 s after the workload's line, peak shmem KiB = guest RAM the guest touched, peak
+    anonymous KiB)."""
+    import threading
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    ready = []
+    threading.Thread(target=lambda: (p.stdout.readline(), ready.append(time.perf_counter()), p.stdout.read()),
+                     daemon=True).start()
+    samples = []
+    while p.poll() is None:
+        f = rss_fields(p.pid)
+        if f:
+            samples.append((time.perf_counter(), f["RssAnon"] + f["RssFile"], f["RssShmem"], f["RssAnon"]))
+        time.sleep(0.02)
+    err = p.stderr.read().decode(errors="replace")
+    if p.returncode != 0 or not samples or not ready:
+        raise RuntimeError(f"{argv}: exit {p.returncode}\n{err[-2000:]}")
+    t0 = ready[0] + 0.5
+    steady = [x[1] for x in samples if t0 <= x[0] <= t0 + settle_s] or [samples[-1][1]]
+    return (max(x[1] for x in samples), statistics.median(steady), max(x[2] for x in samples),
+            max(x[3] for x in samples))
+
+
+def mem_used_kib():
+    info = {}
+    for line in open("/proc/meminfo"):
+        k, _, v = line.partition(":")
+        info[k] = int(v.split()[0])
+    return info["MemTotal"] - info["MemAvailable"]
+
+
+def density(argv, n):
+    """Start n copies of argv at once; wait for all. Returns (wall s, peak host memory taken
+    in MiB (MemTotal - MemAvailable over its value before), sum of peak RSS MiB, failures)."""
+    base = mem_used_kib()
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL) for _ in range(n)]
+    peak, rss, failed, left = base, 0, 0, {p.pid for p in procs}
+    while left:
+        peak = max(peak, mem_used_kib())
+        pid, status, ru = os.wait4(-1, os.WNOHANG)
+        if pid == 0:
+            time.sleep(0.02)
+            continue
+        if pid in left:
+            left.discard(pid)
+            rss += ru.ru_maxrss
+            failed += os.waitstatus_to_exitcode(status) != 0
+    return time.perf_counter() - t0, (peak - base) / 1024, rss / 1024, failed
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--make-initrd", nargs=2, metavar=("INIT", "OUT"))
@@ -62,6 +131,7 @@ def main():
     ap.add_argument("--initrd")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--mem", type=int, default=512)
+    ap.add_argument("--density", default="", help="comma-separated N: start N VMs at once per side")
     a = ap.parse_args()
     if a.make_initrd:
         make_initrd(*a.make_initrd)
@@ -101,6 +171,37 @@ def main():
         print(f"{name:34} {statistics.median(xs):9.3f} {min(xs):7.3f} {max(xs):7.3f} {statistics.pstdev(xs):7.3f} {statistics.median(rss[name]) / 1024:13.1f}")
     ratio = statistics.median(results[names[0]]) / statistics.median(results[names[1]])
     print(f"{'ratio amvm / qemu microvm (median)':34} {ratio:9.2f}")
+    print(f"SUMMARY|boot: amvm run -- true vs qemu microvm|{statistics.median(results[names[0]]):.3f} s"
+          f"|{statistics.median(results[names[1]]):.3f} s|{ratio:.2f}|< 1.0")
+
+    # VMM memory beyond guest RAM: a 512 MiB guest whose workload sleeps 4 s (the steady state).
+    runs = max(1, min(a.runs, 3))
+    mem = [vmm_memory([a.amvm, "run", "--mem", "512", "--kernel", a.kernel, "--", "sh", "-c", "echo up; sleep 5"])
+           for _ in range(runs)]
+    print(f"\nVMM memory, amvm run --mem 512 -- sh -c 'echo up; sleep 5', {runs} runs (own = RssAnon + RssFile of the amvm "
+          f"process; guest RAM is its shared memfd, RssShmem)")
+    print(f"{'':34} {'median MiB':>10} {'min':>7} {'max':>7}")
+    for label, i in (("VMM own memory, peak", 0), ("VMM own memory, steady", 1),
+                     ("  of which anonymous, peak", 3), ("guest RAM touched (shmem)", 2)):
+        xs = [m[i] / 1024 for m in mem]
+        print(f"{label:34} {statistics.median(xs):10.1f} {min(xs):7.1f} {max(xs):7.1f}")
+        if i in (0, 1):
+            print(f"SUMMARY|{label}, 512 MiB guest|{statistics.median(xs):.1f} MiB||"
+                  f"|{'< 5 MiB' if i == 1 else ''}")
+
+    if a.density:
+        print("\ndensity: N VMs started at once, until all have exited (wall s; host memory: peak of "
+              "MemTotal-MemAvailable over before, MiB; sum of each process's peak RSS, MiB)")
+        print(f"{'N, side':34} {'wall s':>9} {'host MiB':>9} {'sum RSS':>9} {'failed':>7}")
+        for n in [int(x) for x in a.density.split(",") if x]:
+            walls = {}
+            for name in names:
+                wall, host, rss_sum, failed = density(sides[name], n)
+                walls[name] = wall
+                print(f"{f'{n} x {name}':34} {wall:9.2f} {host:9.1f} {rss_sum:9.1f} {failed:7}")
+            print(f"{f'{n}: wall ratio amvm / qemu':34} {walls[names[0]] / walls[names[1]]:9.2f}")
+            print(f"SUMMARY|density: {n} VMs at once, wall|{walls[names[0]]:.1f} s|{walls[names[1]]:.1f} s"
+                  f"|{walls[names[0]] / walls[names[1]]:.2f}|")
     return 0
 
 

@@ -126,6 +126,8 @@ def main():
     for name in list(times)[:2]:
         rate = statistics.median([mib / t for t in times[name]])
         print(f"ratio {name.split(' (')[0]:15} / host pair {rate / base:5.2f}   / guest pipe {rate / guest_pipe:5.2f}")
+        print(f"SUMMARY|egress {name.split(' (')[0]}, {mib:.0f} MiB|{rate:.1f} MiB/s|{base:.1f} MiB/s (unix pair)"
+              f"|{rate / base:.2f}|>= 0.5")
     return 0
 
 

@@ -69,6 +69,7 @@ def main():
         for name, (host, guest) in rows.items():
             h, g = statistics.median(host), statistics.median(guest)
             print(f"{name:28} {h:8.3f} ({min(host):.3f}-{max(host):.3f}) {g:9.3f} ({min(guest):.3f}-{max(guest):.3f}) {g / h:11.2f}")
+            print(f"SUMMARY|files: {name}|{g:.3f} s|{h:.3f} s (host)|{g / h:.2f}|")
         mib = a.big / (1 << 20)
         h, g = statistics.median(rows[big_row][0]), statistics.median(rows[big_row][1])
         print(f"sequential read throughput: host {mib / h:.1f} MiB/s, guest {mib / g:.1f} MiB/s")
