@@ -123,6 +123,9 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     // The shares' backends: each virtiofsd is started and handshaken now, so a share that
     // cannot be served fails the run before the guest exists. They are killed when `backends`
     // drops, on every way out of this function (and with amvm's main thread in any case).
+    if !cfg.shares.is_empty() {
+        crate::fs::check_version(&cfg.virtiofsd)?;
+    }
     let mut backends = Vec::with_capacity(cfg.shares.len());
     let mut fs_devices = Vec::with_capacity(cfg.shares.len());
     for (tag, dir) in &cfg.shares {

@@ -65,8 +65,12 @@ pub fn virtiofsd_path(cache: &Path) -> PathBuf {
         .unwrap_or_else(|| cache.join("virtiofsd/bin/virtiofsd"))
 }
 
-/// `bin --version` must say `virtiofsd VIRTIOFSD_VERSION`.
-fn check_version(bin: &Path) -> Result<(), FsError> {
+/// `bin --version` must say `virtiofsd VIRTIOFSD_VERSION`. Once per run, before the first
+/// share's virtiofsd starts (every share uses the same binary).
+pub fn check_version(bin: &Path) -> Result<(), FsError> {
+    if !bin.is_file() {
+        return Err(FsError::NotFound(bin.to_owned()));
+    }
     let out = Command::new(bin)
         .arg("--version")
         .stdin(Stdio::null())
@@ -109,7 +113,6 @@ impl Virtiofsd {
         if !bin.is_file() {
             return Err(FsError::NotFound(bin.to_owned()));
         }
-        check_version(bin)?;
         let (listener, stream) = private_socket().map_err(FsError::Socket)?;
         let fd = listener.as_raw_fd();
         let mut cmd = Command::new(bin);
