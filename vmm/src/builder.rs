@@ -120,22 +120,22 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         None => None,
     };
     let kvm = Kvm::open()?;
-    // The shares' backends: each virtiofsd is started and handshaken now, so a share that
-    // cannot be served fails the run before the guest exists. They are killed when `backends`
-    // drops, on every way out of this function (and with amvm's main thread in any case).
+    // The shares' backends: every virtiofsd is started now, and each is handshaken once guest
+    // memory and the kernel are loaded (their start-up overlaps that work), so a share that
+    // cannot be served still fails the run before the guest exists. They are killed when
+    // `backends` drops, on every way out of this function (and with amvm's main thread in any
+    // case).
     if !cfg.shares.is_empty() {
-        crate::fs::check_version(&cfg.virtiofsd)?;
+        let stamps = crate::config::cache_dir().map(|c| c.join("virtiofsd-checked"));
+        crate::fs::check_version(&cfg.virtiofsd, stamps.as_deref())?;
     }
     let mut backends = Vec::with_capacity(cfg.shares.len());
-    let mut fs_devices = Vec::with_capacity(cfg.shares.len());
+    let mut fs_streams = Vec::with_capacity(cfg.shares.len());
     for (tag, dir) in &cfg.shares {
         let stable = tag == crate::config::TAG_SYSTEM;
-        let (mut backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, &policy)?;
-        match VhostUserFs::new(tag, stream) {
-            Ok(dev) => fs_devices.push(dev),
-            Err(e) => return Err(backend.failure(e.to_string()).into()),
-        }
+        let (backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, &policy)?;
         backends.push(backend);
+        fs_streams.push((tag, stream));
     }
     // virtiofsd has what it needs (as root, its sandbox's capabilities come from ours: with
     // no_new_privs an exec cannot gain any), so amvm drops all of its own now; every thread
@@ -196,16 +196,6 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         0,
         Arc::new(Mutex::new(vsock)),
     )?];
-    for (i, dev) in fs_devices.into_iter().enumerate() {
-        let slot = 1 + i as u64;
-        virtio_entries.push(attach_virtio(
-            &vm,
-            &mem,
-            &mut mmio,
-            slot,
-            Arc::new(Mutex::new(dev)),
-        )?);
-    }
 
     // Guest memory contents: kernel, then the initramfs above it, then the boot tables.
     let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
@@ -215,6 +205,19 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     // The guest has its copy: the VMM's own memory should not hold two more for the whole run.
     drop(initrd);
     release_guest_init_pages();
+
+    // The shares' vhost-user handshakes, now that their virtiofsd had the time to start.
+    for (i, ((tag, stream), backend)) in fs_streams.into_iter().zip(&mut backends).enumerate() {
+        let dev = VhostUserFs::new(tag, stream).map_err(|e| backend.failure(e.to_string()))?;
+        let slot = 1 + i as u64;
+        virtio_entries.push(attach_virtio(
+            &vm,
+            &mem,
+            &mut mmio,
+            slot,
+            Arc::new(Mutex::new(dev)),
+        )?);
+    }
     let cmdline = boot::cmdline(cfg.console, &virtio_entries)?;
     boot::configure_pvh(
         &mem,

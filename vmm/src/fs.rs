@@ -66,10 +66,38 @@ pub fn virtiofsd_path(cache: &Path) -> PathBuf {
 }
 
 /// `bin --version` must say `virtiofsd VIRTIOFSD_VERSION`. Once per run, before the first
-/// share's virtiofsd starts (every share uses the same binary).
-pub fn check_version(bin: &Path) -> Result<(), FsError> {
-    if !bin.is_file() {
-        return Err(FsError::NotFound(bin.to_owned()));
+/// share's virtiofsd starts (every share uses the same binary). Running it costs a fork and
+/// an exec on every boot (0.46 s in the emulated KVM host), so a passed check is remembered in
+/// `stamps` (amvm's cache) under the binary's identity: path, device, inode, size, and its
+/// modification and change times. Replacing or touching the binary changes the identity
+/// (the change time cannot be set back by anyone), and the next run asks it again.
+pub fn check_version(bin: &Path, stamps: Option<&Path>) -> Result<(), FsError> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = match std::fs::metadata(bin) {
+        Ok(m) if m.is_file() => m,
+        _ => return Err(FsError::NotFound(bin.to_owned())),
+    };
+    let identity = format!(
+        "virtiofsd {VIRTIOFSD_VERSION} dev={} ino={} size={} mtime={}.{} ctime={}.{} path={}\n",
+        meta.dev(),
+        meta.ino(),
+        meta.size(),
+        meta.mtime(),
+        meta.mtime_nsec(),
+        meta.ctime(),
+        meta.ctime_nsec(),
+        bin.display()
+    );
+    let stamp = stamps.map(|d| {
+        d.join(format!(
+            "{:016x}",
+            fnv1a(bin.as_os_str().as_encoded_bytes())
+        ))
+    });
+    if let Some(stamp) = &stamp {
+        if std::fs::read_to_string(stamp).is_ok_and(|s| s == identity) {
+            return Ok(());
+        }
     }
     let out = Command::new(bin)
         .arg("--version")
@@ -88,7 +116,27 @@ pub fn check_version(bin: &Path) -> Result<(), FsError> {
             found,
         });
     }
+    if let (Some(dir), Some(stamp)) = (stamps, &stamp) {
+        // Best effort (a read-only cache only costs the exec next time): written aside, then
+        // renamed, so a reader never sees half a stamp.
+        let tmp = stamp.with_extension(format!("tmp{}", std::process::id()));
+        let written = std::fs::create_dir_all(dir)
+            .and_then(|()| std::fs::write(&tmp, &identity))
+            .and_then(|()| std::fs::rename(&tmp, stamp));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::debug!("virtiofsd version stamp {}: {e}", stamp.display());
+        }
+    }
     Ok(())
+}
+
+/// 64-bit FNV-1a: a stamp's file name from the binary's path (not a security boundary: the
+/// stamp's content is the whole identity, compared exactly).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// A running virtiofsd.
@@ -305,12 +353,71 @@ mod tests {
         std::fs::write(&fake, "#!/bin/sh\necho virtiofsd 1.7.0\n").unwrap();
         std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
             .unwrap();
-        let e = super::check_version(&fake).unwrap_err().to_string();
-        let _ = std::fs::remove_dir_all(&dir);
+        let stamps = dir.join("stamps");
+        let e = super::check_version(&fake, Some(&stamps))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("is \"virtiofsd 1.7.0\", not the virtiofsd 1.14.0"),
             "{e}"
         );
+        // A refused binary leaves no stamp: it is asked again, and refused again.
+        assert!(!stamps.exists());
+        assert!(super::check_version(&fake, Some(&stamps)).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_passed_version_check_is_remembered_until_the_binary_changes() {
+        let dir = std::env::temp_dir().join(format!("amvm-stamp-vfsd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let fake = dir.join("virtiofsd");
+        let calls = dir.join("calls");
+        let script = |version: &str| {
+            let body = format!(
+                "#!/bin/sh\necho x >> {}\necho virtiofsd {version}\n",
+                calls.display()
+            );
+            // Written aside and renamed in, as an install does (a new inode).
+            let tmp = dir.join("new");
+            std::fs::write(&tmp, body).unwrap();
+            std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+                .unwrap();
+            std::fs::rename(&tmp, &fake).unwrap();
+        };
+        let ncalls = || {
+            std::fs::read_to_string(&calls)
+                .map(|s| s.lines().count())
+                .unwrap_or(0)
+        };
+        let stamps = dir.join("stamps");
+        script(super::VIRTIOFSD_VERSION);
+        super::check_version(&fake, Some(&stamps)).unwrap();
+        super::check_version(&fake, Some(&stamps)).unwrap();
+        super::check_version(&fake, Some(&stamps)).unwrap();
+        assert_eq!(ncalls(), 1, "asked once, then remembered");
+        // Without a cache it is asked every time.
+        super::check_version(&fake, None).unwrap();
+        assert_eq!(ncalls(), 2);
+        // Another binary at the same path (another version): asked again, and refused.
+        script("1.7.0");
+        assert!(super::check_version(&fake, Some(&stamps)).is_err());
+        assert_eq!(ncalls(), 3);
+        // A stamp with another identity is not trusted (e.g. copied from another machine).
+        script(super::VIRTIOFSD_VERSION);
+        super::check_version(&fake, Some(&stamps)).unwrap();
+        assert_eq!(ncalls(), 4);
+        let stamp = std::fs::read_dir(&stamps)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        std::fs::write(&stamp, "virtiofsd 1.14.0 dev=0 ino=0\n").unwrap();
+        super::check_version(&fake, Some(&stamps)).unwrap();
+        assert_eq!(ncalls(), 5);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     use super::*;
