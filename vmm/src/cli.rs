@@ -26,7 +26,27 @@ pub struct Cli {
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
     /// Run COMMAND in a fresh microVM; exit with its status.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
+    /// List or remove built system images (`--system NAME`); recipes build them
+    /// (images/harness/build).
+    #[command(subcommand)]
+    Image(ImageCommand),
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ImageCommand {
+    /// List the built images: name, size, when built, what is in them.
+    List,
+    /// Print the root filesystem directory of image NAME.
+    Path {
+        /// The image's name.
+        name: String,
+    },
+    /// Remove image NAME.
+    Rm {
+        /// The image's name.
+        name: String,
+    },
 }
 
 #[derive(Debug, clap::Args)]
@@ -40,8 +60,9 @@ pub struct RunArgs {
     /// Append one JSON line per egress stream to FILE (needs --egress).
     #[arg(long, value_name = "FILE", requires = "egress")]
     pub egress_log: Option<PathBuf>,
-    /// Read-only system root: `host` projects the host's /usr; DIR is an unpacked rootfs.
-    #[arg(long, value_name = "host|DIR", default_value = "host")]
+    /// Read-only system root: `host` projects the host's /usr; NAME is a built image (amvm
+    /// image list); DIR (with a `/`) is an unpacked rootfs.
+    #[arg(long, value_name = "host|NAME|DIR", default_value = "host")]
     pub system: String,
     /// Guest kernel (default: the one images/build-kernel builds and caches).
     #[arg(long, value_name = "PATH")]
@@ -163,7 +184,9 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<RunConfig, String> {
         let cli = Cli::try_parse_from(args).map_err(|e| e.kind().to_string())?;
-        let Command::Run(run) = cli.command;
+        let Command::Run(run) = cli.command else {
+            return Err("not run".into());
+        };
         run.into_config().map_err(|e| e.to_string())
     }
 

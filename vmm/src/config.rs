@@ -92,13 +92,23 @@ pub fn workspace(dir: &Path) -> Result<PathBuf, ConfigError> {
     Ok(abs)
 }
 
-/// `--system host|DIR`: the root whose `/usr` the guest gets. `host` is `/`; a DIR must be a
-/// merged-/usr root (`bin` a link to `usr/bin`, as Debian has been since 12) with a `/bin/sh`.
+/// `--system host|NAME|DIR`: the root whose `/usr` the guest gets. `host` is `/`; a bare NAME
+/// (no `/`) is a built image (`crate::image`); a DIR must be a merged-/usr root (`bin` a link to
+/// `usr/bin`, as Debian has been since 12) with a `/bin/sh`. An image's rootfs is checked as a DIR.
 pub fn system_root(system: &str) -> Result<PathBuf, ConfigError> {
     if system == "host" {
         return Ok(PathBuf::from("/"));
     }
-    let dir = Path::new(system);
+    if crate::image::is_name(system) {
+        let bad = |e: crate::image::ImageError| ConfigError::System(system.into(), e.to_string());
+        let image =
+            crate::image::find(&crate::image::images_dir().map_err(bad)?, system).map_err(bad)?;
+        return check_root(&image.rootfs);
+    }
+    check_root(Path::new(system))
+}
+
+fn check_root(dir: &Path) -> Result<PathBuf, ConfigError> {
     let bad = |why: &str| ConfigError::System(dir.to_owned(), why.to_string());
     let root = dir.canonicalize().map_err(|e| bad(&e.to_string()))?;
     if !root.join("usr").is_dir() {

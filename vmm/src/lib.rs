@@ -11,6 +11,7 @@ pub mod cli;
 pub mod config;
 pub mod control;
 pub mod fs;
+pub mod image;
 pub mod jail;
 pub mod output;
 pub mod seccomp;

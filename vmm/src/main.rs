@@ -2,7 +2,7 @@
 //! amvm's own failures exit 125 with one line on stderr; a timeout exits 124; a signal that
 //! ends the run before the workload does exits 128+N.
 
-use amvm::cli::{Cli, Command};
+use amvm::cli::{Cli, Command, ImageCommand};
 use amvm::{builder, exit};
 use clap::Parser;
 use std::io::Write;
@@ -30,7 +30,10 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
-    let Command::Run(args) = cli.command;
+    let args = match cli.command {
+        Command::Run(args) => *args,
+        Command::Image(cmd) => return image(cmd),
+    };
     let code = match args
         .into_config()
         .map_err(anyhow::Error::from)
@@ -45,6 +48,54 @@ fn main() -> ExitCode {
     };
     let _ = std::io::stdout().flush();
     ExitCode::from(code)
+}
+
+/// `amvm image list|path|rm`: the built images in `$AMVM_CACHE/images`.
+fn image(cmd: ImageCommand) -> ExitCode {
+    use amvm::image;
+    let run = || -> Result<(), image::ImageError> {
+        let dir = image::images_dir()?;
+        match cmd {
+            ImageCommand::List => {
+                let all = image::list(&dir)?;
+                if all.is_empty() {
+                    eprintln!(
+                        "amvm: no images in {} (build one with images/harness/build)",
+                        dir.display()
+                    );
+                    return Ok(());
+                }
+                let width = all.iter().map(|i| i.name.len()).max().unwrap_or(4).max(4);
+                let mut out = std::io::stdout().lock();
+                let _ = writeln!(
+                    out,
+                    "{:width$}  {:>8}  {:20}  CONTENTS",
+                    "NAME", "SIZE", "BUILT"
+                );
+                for i in all {
+                    let size = i.size_bytes.map_or("?".into(), image::human_size);
+                    let built = i.built.as_deref().unwrap_or("?");
+                    let what = i.versions.as_deref().unwrap_or("");
+                    let _ = writeln!(out, "{:width$}  {size:>8}  {built:20}  {what}", i.name);
+                }
+            }
+            ImageCommand::Path { name } => {
+                println!("{}", image::find(&dir, &name)?.rootfs.display());
+            }
+            ImageCommand::Rm { name } => {
+                image::remove(&dir, &name)?;
+                eprintln!("amvm: removed image {name}");
+            }
+        }
+        Ok(())
+    };
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("amvm: {e}");
+            ExitCode::from(exit::AMVM_FAILURE)
+        }
+    }
 }
 
 /// clap's own help/version go to stdout with 0; any usage error is one line and 125.
