@@ -8,8 +8,10 @@ With --background it returns once the socket is listening, printing the server's
 It logs every request as one JSON line (to FILE, else stderr): method, path, the headers of
 interest (host, user-agent, content-type, the names of auth headers present, never their
 values), and the body's size. It answers the agent harnesses' API endpoints with a fixed,
-well-formed error a client reports and stops on (401, "stand-in egress: no real API here"),
-`GET /v1/ping` with `pong`, and everything else with 404. It never reaches the network.
+well-formed error a client reports and stops on (401, "stand-in egress: no real API here", with
+`x-should-retry: false`, the header by which the providers' SDKs are told not to retry: Claude Code
+retries a bare 401 with back-off for minutes), `GET /v1/ping` with `pong`, and everything else
+with 404. It never reaches the network.
 
 amvm run --egress SOCKET makes it the workload's only way out: a request the workload sends to
 http://$AMVM_EGRESS_ADDR/... arrives here.
@@ -94,6 +96,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(payload)))
+        if status == 401:
+            self.send_header("x-should-retry", "false")
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(payload)
