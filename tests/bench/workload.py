@@ -60,6 +60,23 @@ def tasks(a):
     ]
 
 
+def image_tasks(a):
+    """The rows repeated on a built image (--image): its own binaries on both sides."""
+    return [
+        (f"{a.image}: claude --version x{a.claude_runs}", "true",
+         f"i=0; while [ $i -lt {a.claude_runs} ]; do claude --version >/dev/null; i=$((i+1)); done"),
+        (f"{a.image}: node start x{a.node_starts}", "true",
+         f"i=0; while [ $i -lt {a.node_starts} ]; do node -e 0; i=$((i+1)); done"),
+    ]
+
+
+# The host side of an image's rows: the same script with the image as its root (chroot), in a
+# mount namespace of its own with /proc, /dev and a fresh /tmp, HOME in /tmp as in the guest.
+CHROOT = ('r=$1; shift; mount -t proc proc "$r/proc" && mount -t tmpfs tmpfs "$r/tmp" && '
+          'mount --rbind /dev "$r/dev" && exec chroot "$r" /usr/bin/env -i HOME=/tmp '
+          'PATH=/usr/local/bin:/usr/bin:/bin /bin/sh -c "$1"')
+
+
 def script(setup, body):
     """Run setup, then print the seconds body took (uptime clock)."""
     return ("set -e; T=$(mktemp -d /tmp/amvm-bench.XXXXXX); " + setup + "; "
@@ -81,27 +98,45 @@ def main():
     ap.add_argument("--tree", type=int, default=5000)
     ap.add_argument("--loop", type=int, default=20_000_000)
     ap.add_argument("--mem", type=int, default=1024)
+    ap.add_argument("--image", help="instead: the image's rows (claude --version, Node start) "
+                    "on this built image (amvm image list), the host side chrooted into it")
+    ap.add_argument("--claude-runs", type=int, default=5)
     a = ap.parse_args()
-    if not os.access(NODE, os.X_OK):
+    system = []
+    if a.image:
+        p = subprocess.run([a.amvm, "image", "path", a.image], capture_output=True, text=True)
+        if p.returncode != 0:
+            print(p.stderr.strip(), file=sys.stderr)
+            return 1
+        rootfs = p.stdout.strip()
+        system = ["--system", a.image]
+        todo = image_tasks(a)
+    elif not os.access(NODE, os.X_OK):
         print(f"{NODE} missing: images/setup installs Debian's nodejs", file=sys.stderr)
         return 1
-    rows = {name: ([], []) for name, _, _ in tasks(a)}
+    else:
+        todo = tasks(a)
+    rows = {name: ([], []) for name, _, _ in todo}
     for r in range(a.runs):
-        for name, setup, body in tasks(a):
+        for name, setup, body in todo:
             sides = ["host", "guest"] if r % 2 == 0 else ["guest", "host"]
             for side in sides:
                 s = script(setup, body)
-                if side == "host":
+                if side == "host" and a.image:
+                    p = subprocess.run(["unshare", "-m", "sh", "-c", CHROOT, "chroot", rootfs, s],
+                                       capture_output=True, text=True)
+                elif side == "host":
                     p = subprocess.run(["sh", "-c", s], capture_output=True, text=True)
                 else:
-                    p = subprocess.run([a.amvm, "run", "--mem", str(a.mem), "--timeout", "3600", "--",
-                                        "sh", "-c", s], capture_output=True, text=True)
+                    p = subprocess.run([a.amvm, "run", "--mem", str(a.mem), "--timeout", "3600", *system,
+                                        "--", "sh", "-c", s], capture_output=True, text=True)
                 if p.returncode != 0:
                     print(f"{name} ({side}): exit {p.returncode}\n{p.stderr[-2000:]}", file=sys.stderr)
                     return 1
                 rows[name][0 if side == "host" else 1].append(seconds(p.stdout))
+    where = f" --system {a.image}; host: chrooted into the image" if a.image else ""
     print(f"\nworkload overhead: {a.runs} interleaved runs, medians (min-max), seconds; guest: amvm run "
-          f"--mem {a.mem}, the task timed inside the guest")
+          f"--mem {a.mem}{where}, the task timed inside the guest")
     print(f"{'task':40} {'host':>20} {'guest':>20} {'guest/host':>11}")
     for name, (host, guest) in rows.items():
         h, g = statistics.median(host), statistics.median(guest)
