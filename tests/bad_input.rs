@@ -184,5 +184,24 @@ fn bad_shares_are_refused_before_anything_starts() {
     ] {
         assert_one_line_125(&amvm(&args, &[]), says);
     }
+    // A bare word is an image name: one that is not built is refused, naming the images that
+    // are; a name that could leave the images directory is refused as a name.
+    let cache = dir.join("cache");
+    std::fs::create_dir_all(cache.join("images/other/rootfs")).unwrap();
+    std::fs::write(cache.join("images/other/image.json"), "{}").unwrap();
+    let cache = cache.to_str().unwrap();
+    assert_one_line_125(
+        &amvm(
+            ["run", "--system", "usr", "--", "true"],
+            &[("AMVM_CACHE", cache)],
+        ),
+        "--system usr: no image named usr in ",
+    );
+    let out = amvm(["image", "path", "usr"], &[("AMVM_CACHE", cache)]);
+    assert_one_line_125(&out, "(built: other); build it with images/usr/build");
+    assert_one_line_125(
+        &amvm(["image", "rm", "../x"], &[("AMVM_CACHE", cache)]),
+        "\"../x\" is not an image name",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
