@@ -102,17 +102,20 @@ const SIGNAL_GRACE: Duration = Duration::from_secs(10);
 ///
 /// On return the vCPU threads may still be inside KVM_RUN: the caller exits the process.
 pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
+    let t = Timeline(Instant::now());
     let deadline = cfg.timeout.map(|t| (Instant::now() + t, t.as_secs()));
     // While this is the only thread: no privilege gain by exec, an empty network namespace and
     // a private mount namespace (jail.rs). Everything amvm starts inherits them.
     crate::jail::no_new_privs()?;
     crate::jail::enter_namespaces()?;
+    t.mark("namespaces entered");
     // Before any thread starts (they inherit the mask): SIGINT/SIGTERM/SIGHUP wait in a
     // signalfd for the loop below, which forwards them to the workload.
     let signals = Signals::block().map_err(RunError::Signals)?;
     // Every thread started from here on filters itself (seccomp.rs); the guest runs only once
     // all of them, this one last, have.
     let policy = Policy::new(cfg.seccomp)?;
+    t.mark("seccomp filters compiled");
 
     // Host-side inputs first (cheap, and the user's to fix), then KVM.
     let egress = match &cfg.egress {
@@ -120,6 +123,7 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         None => None,
     };
     let kvm = Kvm::open()?;
+    t.mark("egress checked, KVM open");
     // The shares' backends: every virtiofsd is started now, and each is handshaken once guest
     // memory and the kernel are loaded (their start-up overlaps that work), so a share that
     // cannot be served still fails the run before the guest exists. They are killed when
@@ -141,11 +145,13 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     // no_new_privs an exec cannot gain any), so amvm drops all of its own now; every thread
     // does the same as it filters itself (seccomp.rs).
     crate::jail::drop_capabilities()?;
+    t.mark("virtiofsd started, capabilities dropped");
 
     let mem_bytes = cfg.mem_mib << 20;
     let mem = memory::create(cfg.mem_mib)?;
     // The irqchip is created with the VM, before any vCPU (KVM requires that order).
     let vm = Vm::new(&kvm, &mem)?;
+    t.mark("guest memory and VM created");
 
     // Devices. COM1: kernel console; i8042: the exit path; virtio-vsock: the control channel;
     // virtio-fs: the shares.
@@ -205,6 +211,7 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     // The guest has its copy: the VMM's own memory should not hold two more for the whole run.
     drop(initrd);
     release_guest_init_pages();
+    t.mark("kernel and initramfs loaded");
 
     // The shares' vhost-user handshakes, now that their virtiofsd had the time to start.
     for (i, ((tag, stream), backend)) in fs_streams.into_iter().zip(&mut backends).enumerate() {
@@ -218,6 +225,7 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
             Arc::new(Mutex::new(dev)),
         )?);
     }
+    t.mark("virtio-fs handshakes done");
     let cmdline = boot::cmdline(cfg.console, &virtio_entries)?;
     boot::configure_pvh(
         &mem,
@@ -258,6 +266,7 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     std::mem::forget((vm, mem));
     // Last: this thread's filter, once every other thread has its own; then the vCPUs run.
     policy.seal()?;
+    t.mark("vCPUs released (every thread filtered)");
 
     // Wait for the guest to stop; forward signals meanwhile.
     let epoll = Waiter::new(&[&exit_evt, &reset_evt], &signals).map_err(RunError::EventFd)?;
@@ -302,6 +311,7 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
         }
     }
 
+    t.mark("the guest stopped");
     let stops = stops.lock().unwrap_or_else(|p| p.into_inner());
     let failure = stops
         .iter()
@@ -327,6 +337,15 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
                 console,
             })
         }
+    }
+}
+
+/// `RUST_LOG=amvm::timeline=debug`: when each set-up step of a run finished, from `run`'s start.
+struct Timeline(Instant);
+
+impl Timeline {
+    fn mark(&self, what: &str) {
+        tracing::debug!(target: "amvm::timeline", "{:8.1} ms  {what}", self.0.elapsed().as_secs_f64() * 1e3);
     }
 }
 
