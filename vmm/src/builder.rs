@@ -101,8 +101,7 @@ const SIGNAL_GRACE: Duration = Duration::from_secs(10);
 /// Boot the VM described by `cfg`, run its workload, return the workload's exit status.
 ///
 /// On return the vCPU threads may still be inside KVM_RUN: the caller exits the process.
-pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
-    let t = Timeline(Instant::now());
+pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     let deadline = cfg.timeout.map(|t| (Instant::now() + t, t.as_secs()));
     // While this is the only thread: no privilege gain by exec, an empty network namespace and
     // a private mount namespace (jail.rs). Everything amvm starts inherits them.
@@ -340,11 +339,15 @@ pub fn run(cfg: &RunConfig) -> Result<u8, RunError> {
     }
 }
 
-/// `RUST_LOG=amvm::timeline=debug`: when each set-up step of a run finished, from `run`'s start.
-struct Timeline(Instant);
+/// `RUST_LOG=amvm::timeline=debug`: when each step of a run finished, from `main`'s start.
+pub struct Timeline(Instant);
 
 impl Timeline {
-    fn mark(&self, what: &str) {
+    pub fn start() -> Timeline {
+        Timeline(Instant::now())
+    }
+
+    pub fn mark(&self, what: &str) {
         tracing::debug!(target: "amvm::timeline", "{:8.1} ms  {what}", self.0.elapsed().as_secs_f64() * 1e3);
     }
 }

@@ -34,17 +34,14 @@ fn main() -> ExitCode {
         Command::Run(args) => *args,
         Command::Image(cmd) => return image(cmd),
     };
-    let start = std::time::Instant::now();
-    let timeline = |what: &str| {
-        tracing::debug!(target: "amvm::timeline", "{:8.1} ms  {what} (from main's start)", start.elapsed().as_secs_f64() * 1e3);
-    };
+    let timeline = builder::Timeline::start();
     let code = match args
         .into_config()
         .map_err(anyhow::Error::from)
         .and_then(|cfg| {
-            timeline("configuration built");
-            let code = builder::run(&cfg)?;
-            timeline("run returned (its resources released)");
+            timeline.mark("configuration built");
+            let code = builder::run(&cfg, &timeline)?;
+            timeline.mark("run returned (its resources released)");
             Ok(code)
         }) {
         Ok(code) => code,
