@@ -3,7 +3,7 @@
 
 use crate::arch::x86_64::mptable;
 use guest_init::protocol::{RunSpec, SpecFile};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -183,20 +183,22 @@ pub fn etc_files(root: &Path, uid: u32, gid: u32) -> Vec<SpecFile> {
         files.push(file("/etc/ld.so.cache", cache));
     }
     if let Ok(dir) = std::fs::read_dir(root.join("etc/alternatives")) {
-        let mut links: Vec<SpecFile> = dir
+        let mut links: Vec<(Vec<u8>, Vec<u8>)> = dir
             .flatten()
             .filter_map(|e| {
                 let target = std::fs::read_link(e.path()).ok()?;
                 let mut path = b"/etc/alternatives/".to_vec();
                 path.extend_from_slice(e.file_name().as_bytes());
-                Some(SpecFile::Symlink {
-                    path,
-                    target: target.as_os_str().as_bytes().to_vec(),
-                })
+                Some((path, target.into_os_string().into_vec()))
             })
             .collect();
-        links.sort_by(|a, b| format!("{a:?}").cmp(&format!("{b:?}")));
-        files.extend(links);
+        // A stable order (the directory's is not), by name.
+        links.sort_unstable();
+        files.extend(
+            links
+                .into_iter()
+                .map(|(path, target)| SpecFile::Symlink { path, target }),
+        );
     }
     if let Ok(certs) = std::fs::read("/etc/ssl/certs/ca-certificates.crt") {
         files.push(file("/etc/ssl/certs/ca-certificates.crt", certs));
@@ -318,6 +320,42 @@ mod tests {
                 "{p}"
             );
         }
+    }
+
+    #[test]
+    fn alternatives_links_come_in_name_order_with_their_targets() {
+        let root = std::env::temp_dir().join(format!("amvm-etc-test-{}", std::process::id()));
+        let alt = root.join("etc/alternatives");
+        std::fs::create_dir_all(&alt).unwrap();
+        for (name, target) in [
+            ("nc", "/bin/nc.openbsd"),
+            ("awk", "/usr/bin/mawk"),
+            ("pager", "/bin/less"),
+        ] {
+            std::os::unix::fs::symlink(target, alt.join(name)).unwrap();
+        }
+        std::fs::write(alt.join("README"), b"not a link").unwrap();
+        let links: Vec<(String, String)> = etc_files(&root, 1000, 1000)
+            .into_iter()
+            .filter_map(|f| match f {
+                SpecFile::Symlink { path, target } => Some((
+                    String::from_utf8(path).unwrap(),
+                    String::from_utf8(target).unwrap(),
+                )),
+                SpecFile::File { .. } => None,
+            })
+            .collect();
+        std::fs::remove_dir_all(&root).unwrap();
+        let want = [
+            ("/etc/alternatives/awk", "/usr/bin/mawk"),
+            ("/etc/alternatives/nc", "/bin/nc.openbsd"),
+            ("/etc/alternatives/pager", "/bin/less"),
+        ];
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        assert_eq!(links, want);
     }
 
     #[test]
