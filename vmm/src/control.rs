@@ -138,6 +138,7 @@ pub fn start(
     policy.expect_thread();
     std::thread::Builder::new()
         .name("control-tx".into())
+        .stack_size(amvm_devices::THREAD_STACK_SIZE)
         .spawn(move || {
             p.enter(ThreadKind::Helper);
             if writer.write_all(&first).is_err() {
@@ -156,6 +157,7 @@ pub fn start(
     policy.expect_thread();
     std::thread::Builder::new()
         .name("control".into())
+        .stack_size(amvm_devices::THREAD_STACK_SIZE)
         .spawn(move || {
             p.enter(ThreadKind::Helper);
             let mut sink = ChannelSink::new(io::stdout(), io::stderr(), report.clone());
@@ -184,6 +186,7 @@ pub fn start(
         policy.expect_thread();
         std::thread::Builder::new()
             .name("stdin".into())
+            .stack_size(amvm_devices::THREAD_STACK_SIZE)
             .spawn(move || {
                 p.enter(ThreadKind::Helper);
                 let mut input = io::stdin().lock();

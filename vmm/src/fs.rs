@@ -198,6 +198,7 @@ impl Virtiofsd {
             policy.expect_thread();
             let spawned = std::thread::Builder::new()
                 .name("virtiofsd-err".into())
+                .stack_size(amvm_devices::THREAD_STACK_SIZE)
                 .spawn(move || {
                     p.enter(ThreadKind::Helper);
                     let mut buf = [0u8; 4096];

@@ -78,6 +78,7 @@ where
         let (activate, activation) = std::sync::mpsc::sync_channel::<Activation>(1);
         let worker = std::thread::Builder::new()
             .name("vsock".into())
+            .stack_size(crate::THREAD_STACK_SIZE)
             .spawn(move || {
                 on_start();
                 // The sender goes away without activating when the device is dropped first.
