@@ -1,14 +1,44 @@
 #!/usr/bin/env python3
 """Egress throughput benchmark (see tests/bench/egress). Prints one table.
 
-Rows: one stream of N bytes guest->host and host->guest through amvm's egress (busybox nc in the
-guest, the relay, vsock, the VMM, the host unix socket); the same N bytes over a unix socket pair on
-the host (the baseline); and through a pipe inside the guest (what the guest itself can move: on an
-emulated KVM host the nested guest is the bottleneck). Same environment, interleaved.
+Rows: one stream of N bytes guest->host and host->guest through amvm's egress (a client in the
+guest on its loopback, the relay, vsock, the VMM, the host unix socket), with two guest clients:
+Python moving 1 MiB per call as the baseline does, and busybox nc; the same N bytes over a unix
+socket pair on the host (the baseline, Python, 1 MiB per call); and through a pipe inside the guest
+(what the guest itself can move: on an emulated KVM host the nested guest is the bottleneck). Same
+environment, interleaved.
 """
-import argparse, os, socket, statistics, subprocess, sys, tempfile, threading, time
+import argparse, os, shlex, socket, statistics, subprocess, sys, tempfile, threading, time
 
 CHUNK = 1 << 20
+
+# The guest side of a stream, in Python: `up N` sends N zero bytes after "SINK", `down N` asks for N
+# and counts them (printing the count); 1 MiB pieces, as the host baseline.
+GUEST_CLIENT = r"""
+import os, socket, sys
+host, port = os.environ["AMVM_EGRESS_ADDR"].rsplit(":", 1)
+s = socket.create_connection((host, int(port)))
+way, n = sys.argv[1], int(sys.argv[2])
+if way == "up":
+    s.sendall(b"SINK\n")
+    buf = memoryview(bytes(1 << 20))
+    while n:
+        k = min(n, len(buf))
+        s.sendall(buf[:k])
+        n -= k
+    s.shutdown(socket.SHUT_WR)
+    s.recv(1)
+else:
+    s.sendall(b"SOURCE %d\n" % n)
+    buf = bytearray(1 << 20)
+    got = 0
+    while True:
+        k = s.recv_into(buf)
+        if not k:
+            break
+        got += k
+    print(got)
+"""
 
 
 def send_zeros(sock, n):
@@ -93,12 +123,20 @@ def main():
     path = os.path.join(d, "egress.sock")
     results = []
     serve(path, results)
+    # Two guest clients: Python with the baseline's own 1 MiB reads and writes (the same code on
+    # both sides of the ratio), and busybox nc (small buffers: what a shell user gets).
+    py = f"python3 -c {shlex.quote(GUEST_CLIENT)}"
     nc = "busybox nc ${AMVM_EGRESS_ADDR%:*} ${AMVM_EGRESS_ADDR#*:}"
-    up = f"(echo SINK; head -c {n} /dev/zero) | {nc}"
-    down = f"echo SOURCE {n} | {nc} | wc -c"
-    times = {"guest -> host (amvm egress)": [], "host -> guest (amvm egress)": [], "unix socket pair (host)": [], "pipe inside the guest": []}
+    streams = (
+        ("guest -> host (amvm egress)", f"{py} up {n}"),
+        ("host -> guest (amvm egress)", f"{py} down {n}"),
+        ("guest -> host, busybox nc", f"(echo SINK; head -c {n} /dev/zero) | {nc}"),
+        ("host -> guest, busybox nc", f"echo SOURCE {n} | {nc} | wc -c"),
+    )
+    times = {name: [] for name, _ in streams}
+    times.update({"unix socket pair (host)": [], "pipe inside the guest": []})
     for r in range(a.runs):
-        for name, script in (("guest -> host (amvm egress)", up), ("host -> guest (amvm egress)", down)):
+        for name, script in streams:
             results.clear()
             p = subprocess.run([a.amvm, "run", "--egress", path, "--", "sh", "-c", script], capture_output=True, text=True)
             if p.returncode != 0 or not results:
@@ -123,11 +161,13 @@ def main():
         rates = [mib / t for t in ts]
         print(f"{name:32} {statistics.median(rates):13.1f} {min(rates):8.1f} {max(rates):8.1f}")
     guest_pipe = statistics.median([mib / t for t in times["pipe inside the guest"]])
-    for name in list(times)[:2]:
+    for i, name in enumerate(list(times)[:4]):
         rate = statistics.median([mib / t for t in times[name]])
-        print(f"ratio {name.split(' (')[0]:15} / host pair {rate / base:5.2f}   / guest pipe {rate / guest_pipe:5.2f}")
-        print(f"SUMMARY|egress {name.split(' (')[0]}, {mib:.0f} MiB|{rate:.1f} MiB/s|{base:.1f} MiB/s (unix pair)"
-              f"|{rate / base:.2f}|>= 0.5")
+        label = name.split(" (")[0]
+        print(f"ratio {label:26} / host pair {rate / base:5.2f}   / guest pipe {rate / guest_pipe:5.2f}")
+        if i < 2:
+            print(f"SUMMARY|egress {label}, {mib:.0f} MiB|{rate:.1f} MiB/s|{base:.1f} MiB/s (unix pair)"
+                  f"|{rate / base:.2f}|>= 0.5")
     return 0
 
 
