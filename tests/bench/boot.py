@@ -70,7 +70,7 @@ def rss_fields(pid):
 
 def vmm_memory(argv, settle_s=3.0):
     """Run argv (a workload that prints a line, then sleeps), sampling the VMM's RSS every
-    20 ms. Guest RAM is a shared-memory file mapping (RssShmem); the VMM's own memory is the rest
+    20 ms. Guest RAM is a shared memfd mapping (RssShmem); the VMM's own memory is the rest
     (RssAnon + RssFile). Returns (peak own KiB, steady own KiB: the median over `settle_s`
     from 0.5 s after the workload's line, peak shmem KiB = guest RAM the guest touched, peak
     anonymous KiB)."""
@@ -202,7 +202,7 @@ def main():
     mem = [vmm_memory([a.amvm, "run", "--mem", "512", "--kernel", a.kernel, "--", "sh", "-c", "echo up; sleep 5"])
            for _ in range(runs)]
     print(f"\nVMM memory, amvm run --mem 512 -- sh -c 'echo up; sleep 5', {runs} runs (own = RssAnon + RssFile of the amvm "
-          f"process; guest RAM is its shared-memory file, RssShmem)")
+          f"process; guest RAM is its shared memfd, RssShmem)")
     print(f"{'':34} {'median MiB':>10} {'min':>7} {'max':>7}")
     for label, i in (("VMM own memory, peak", 0), ("VMM own memory, steady", 1),
                      ("  of which anonymous, peak", 3), ("guest RAM touched (shmem)", 2)):
