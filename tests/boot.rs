@@ -1,5 +1,6 @@
 //! Boot real microVMs and check what comes back: exit statuses, stdout/stderr separation,
-//! vCPUs, the workload's user, environment and working directory, and repeated runs.
+//! vCPUs, the workload's user, environment and working directory, a pseudo-terminal, and
+//! repeated runs.
 
 use amvm_tests::{run_vm, sh};
 
@@ -100,6 +101,29 @@ fn workload_runs_as_the_requested_user_with_env_and_cwd() {
     );
     let o = run_vm(&["--user", "0:0"], &["id", "-u"]);
     assert_eq!((o.code, o.stdout_str().as_str()), (0, "0\n"), "{o:?}");
+}
+
+/// The workload can open a pseudo-terminal (devpts on /dev/pts), as `script`, Python's pty
+/// module and node-pty do, and bytes written to its master side come out of its slave side.
+#[test]
+fn the_workload_can_open_a_pseudo_terminal() {
+    let o = run_vm(
+        &[],
+        &[
+            "python3",
+            "-c",
+            "import os, tty\n\
+             m, s = os.openpty()\n\
+             tty.setraw(s)\n\
+             os.write(m, b'through the pty')\n\
+             print(os.ttyname(s), os.read(s, 64).decode(), os.stat(os.ttyname(s)).st_uid)",
+        ],
+    );
+    assert_eq!(
+        (o.code, o.stdout_str().as_str()),
+        (0, "/dev/pts/0 through the pty 1000\n"),
+        "{o:?}"
+    );
 }
 
 #[test]

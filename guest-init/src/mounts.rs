@@ -2,7 +2,7 @@
 //! here, in two steps:
 //!
 //! * [`early`], before the control channel: /dev (devtmpfs, then the console as our stdio),
-//!   /proc, /sys, /tmp.
+//!   /dev/pts, /proc, /sys, /tmp.
 //! * [`root`], from the run spec: the virtio-fs shares read-only (the system's `/usr`, the
 //!   workspace), the merged-/usr links (`/bin` → `usr/bin`, ...), a sealed `/etc` built from the
 //!   spec's files, and tmpfs `/run` and `/home` with size caps.
@@ -30,6 +30,14 @@ fn ctx(what: String) -> impl FnOnce(io::Error) -> io::Error {
 pub fn early() -> io::Result<()> {
     for (fstype, target, flags, data) in [
         ("devtmpfs", "/dev", libc::MS_NOSUID, None),
+        // Pseudo-terminals (`script`, Python's pty, node-pty): /dev/ptmx opens the devpts
+        // instance mounted beside it, at /dev/pts.
+        (
+            "devpts",
+            "/dev/pts",
+            NODEV_NOSUID | libc::MS_NOEXEC,
+            Some("mode=0620,ptmxmode=0666"),
+        ),
         ("proc", "/proc", NODEV_NOSUID | libc::MS_NOEXEC, None),
         ("sysfs", "/sys", NODEV_NOSUID | libc::MS_NOEXEC, None),
         ("tmpfs", "/tmp", NODEV_NOSUID, Some("mode=1777,size=50%")),
