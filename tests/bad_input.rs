@@ -148,6 +148,10 @@ fn impossible_sizes() {
         &amvm(["run", "--user", "root", "--", "true"], &[]),
         "--user",
     );
+    assert_one_line_125(
+        &amvm(["run", "--", "true"], &[("AMVM_HUGE_PAGES", "yes")]),
+        "AMVM_HUGE_PAGES=\"yes\": say 1 (on) or 0 (off)",
+    );
 }
 
 #[test]

@@ -123,6 +123,13 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     };
     let kvm = Kvm::open()?;
     t.mark("egress checked, KVM open");
+    // Guest RAM while amvm still has the capabilities to make its huge-page tmpfs (memory.rs).
+    let mem_bytes = cfg.mem_mib << 20;
+    let (mem, backing) = memory::create(cfg.mem_mib, cfg.huge_pages)?;
+    t.mark(match backing {
+        memory::Backing::HugeTmpfs => "guest memory created (huge-page tmpfs)",
+        memory::Backing::Memfd => "guest memory created (memfd)",
+    });
     // The shares' backends: every virtiofsd is started now, and each is handshaken once guest
     // memory and the kernel are loaded (their start-up overlaps that work), so a share that
     // cannot be served still fails the run before the guest exists. They are killed when
@@ -146,11 +153,9 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     crate::jail::drop_capabilities()?;
     t.mark("virtiofsd started, capabilities dropped");
 
-    let mem_bytes = cfg.mem_mib << 20;
-    let mem = memory::create(cfg.mem_mib)?;
     // The irqchip is created with the VM, before any vCPU (KVM requires that order).
     let vm = Vm::new(&kvm, &mem)?;
-    t.mark("guest memory and VM created");
+    t.mark("VM created");
 
     // Devices. COM1: kernel console; i8042: the exit path; virtio-vsock: the control channel;
     // virtio-fs: the shares.
@@ -253,6 +258,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
         let p = policy.clone();
         std::thread::Builder::new()
             .name(format!("vcpu{id}"))
+            .stack_size(amvm_devices::THREAD_STACK_SIZE)
             .spawn(move || {
                 p.enter_vcpu();
                 let r = vcpu.run(&pio, &mmio);

@@ -41,6 +41,8 @@ pub enum ConfigError {
     Workspace(PathBuf, String),
     #[error("--system {0}: {1}")]
     System(PathBuf, String),
+    #[error("AMVM_HUGE_PAGES={0:?}: say 1 (on) or 0 (off)")]
+    HugePagesEnv(String),
 }
 
 /// A validated run.
@@ -51,6 +53,8 @@ pub struct RunConfig {
     pub cpus: u8,
     /// Show the guest's kernel console on stderr.
     pub console: bool,
+    /// Guest RAM on transparent huge pages (`--huge-pages`, `AMVM_HUGE_PAGES=1`), else a memfd.
+    pub huge_pages: bool,
     /// Filter amvm's own threads with seccomp (off only with `--no-seccomp`).
     pub seccomp: bool,
     pub timeout: Option<Duration>,
@@ -72,6 +76,16 @@ pub fn default_kernel() -> Result<PathBuf, ConfigError> {
     Ok(cache_dir()
         .ok_or(ConfigError::NoDefaultKernel)?
         .join("kernel/vmlinux"))
+}
+
+/// `AMVM_HUGE_PAGES`: `1` turns `--huge-pages` on for every run (unset, empty or `0`: off).
+pub fn huge_pages_from_env() -> Result<bool, ConfigError> {
+    match std::env::var_os("AMVM_HUGE_PAGES") {
+        None => Ok(false),
+        Some(v) if v.is_empty() || v == "0" => Ok(false),
+        Some(v) if v == "1" => Ok(true),
+        Some(v) => Err(ConfigError::HugePagesEnv(v.to_string_lossy().into_owned())),
+    }
 }
 
 /// amvm's cache: `$AMVM_CACHE`, else `~/.cache/amvm`.

@@ -1,5 +1,5 @@
 //! virtio-fs (device type 26) as a vhost-user frontend: the guest's FUSE requests never pass
-//! through the VMM. The backend (virtiofsd, a separate process) maps guest RAM from the memfd
+//! through the VMM. The backend (virtiofsd, a separate process) maps guest RAM from the file
 //! regions we send it, reads the queues directly, is kicked by the same ioeventfds the transport
 //! registered, and interrupts the guest through the irqfd itself. What stays here is the
 //! config space (the mount tag) and the vhost-user set-up on DRIVER_OK.
