@@ -173,7 +173,10 @@ mod tests {
         }
         let (mem, backing) = create(64, true).unwrap();
         assert_eq!((mem.num_regions(), backing), (1, Backing::HugeTmpfs));
-        let f = huge_tmpfs_file().unwrap();
+        // The file that backs guest RAM, as virtiofsd would be given it.
+        use vm_memory::GuestMemoryRegion;
+        let region = mem.find_region(GuestAddress(0)).unwrap();
+        let f = region.file_offset().unwrap().file();
         assert_eq!(
             f.metadata().unwrap().nlink(),
             0,
