@@ -155,7 +155,8 @@ def main():
     # a fixed order would hand that cost to one side. "after self" / "after other" split each
     # side's runs by what ran just before.
     peer = "qemu microvm -> init reboots"
-    for label, ours, target in (("amvm run -- true", amvm + ["--", "true"], "< 1.0"),
+    default = ("amvm run -- true", amvm + ["--", "true"])
+    for label, ours, target in ((*default, "< 1.0"),
                                 ("amvm run --huge-pages -- true", amvm + ["--huge-pages", "--", "true"], "")):
         sides = {label: ours, peer: qemu}
         names = list(sides)
@@ -231,7 +232,7 @@ def main():
         print("\ndensity: N VMs started at once, until all have exited (wall s; host memory: peak of "
               "MemTotal-MemAvailable over before, MiB; sum of each process's peak RSS, MiB)")
         print(f"{'N, side':34} {'wall s':>9} {'host MiB':>9} {'sum RSS':>9} {'failed':>7}")
-        sides = {"amvm run -- true": amvm + ["--", "true"], peer: qemu}
+        sides = dict([default, (peer, qemu)])
         names = list(sides)
         for n in [int(x) for x in a.density.split(",") if x]:
             walls = {}
