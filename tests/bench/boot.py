@@ -123,6 +123,18 @@ def density(argv, n):
     return time.perf_counter() - t0, (peak - base) / 1024, rss / 1024, failed
 
 
+def qemu_argv(kernel, initrd, mem):
+    """The peer: qemu's microvm booting KERNEL to the reboot-init initramfs (also tests/bench/jit)."""
+    return [
+        # Same kernel, PVH entry, KVM, 1 vCPU, same RAM; no ACPI (our kernel has none), serial
+        # console like ours, triple-fault reboot (microvm has no i8042) with -no-reboot to exit.
+        "qemu-system-x86_64", "-M", "microvm,acpi=off,x-option-roms=off", "-accel", "kvm", "-cpu", "host",
+        "-m", str(mem), "-smp", "1", "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-serial", "null", "-kernel", kernel, "-initrd", initrd,
+        "-append", "console=ttyS0 reboot=t panic=-1 quiet rdinit=/init",
+    ]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--make-initrd", nargs=2, metavar=("INIT", "OUT"))
@@ -137,14 +149,7 @@ def main():
         make_initrd(*a.make_initrd)
         return 0
 
-    qemu = [
-        # Same kernel, PVH entry, KVM, 1 vCPU, same RAM; no ACPI (our kernel has none), serial
-        # console like ours, triple-fault reboot (microvm has no i8042) with -no-reboot to exit.
-        "qemu-system-x86_64", "-M", "microvm,acpi=off,x-option-roms=off", "-accel", "kvm", "-cpu", "host",
-        "-m", str(a.mem), "-smp", "1", "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-        "-serial", "null", "-kernel", a.kernel, "-initrd", a.initrd,
-        "-append", "console=ttyS0 reboot=t panic=-1 quiet rdinit=/init",
-    ]
+    qemu = qemu_argv(a.kernel, a.initrd, a.mem)
     amvm = [a.amvm, "run", "--mem", str(a.mem), "--kernel", a.kernel]
     model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     env = f"CPU: {model}; {os.cpu_count()} CPUs"

@@ -16,13 +16,12 @@ import sys
 import tempfile
 import time
 
+import boot  # the peer's command line, the same as the boot benchmark's
+
 
 def inner(a):
-    qemu = ["qemu-system-x86_64", "-M", "microvm,acpi=off,x-option-roms=off", "-accel", "kvm", "-cpu", "host",
-            "-m", "512", "-smp", "1", "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-            "-serial", "null", "-kernel", a.kernel, "-initrd", a.initrd,
-            "-append", "console=ttyS0 reboot=t panic=-1 quiet rdinit=/init"]
-    sides = {"amvm": [a.amvm, "run", "--mem", "512", "--kernel", a.kernel, "--", "true"], "qemu": qemu}
+    sides = {"amvm": [a.amvm, "run", "--mem", "512", "--kernel", a.kernel, "--", "true"],
+             "qemu": boot.qemu_argv(a.kernel, a.initrd, 512)}
     order = []
     for r in range(a.rounds):
         order += ["amvm", "qemu"] if r % 2 == 0 else ["qemu", "amvm"]
