@@ -2,7 +2,7 @@
 //! vCPUs, the workload's user, environment and working directory, a pseudo-terminal, and
 //! repeated runs.
 
-use amvm_tests::{run_vm, sh};
+use amvm_tests::{amvm, require_kvm, run_args, run_vm, sh};
 
 #[test]
 fn stdout_stderr_and_status_come_back_separately() {
@@ -135,6 +135,41 @@ fn output_arrives_complete_and_in_order() {
     assert_eq!(o.stdout_str(), want);
     let want_err: String = (0..20).map(|i| format!("e{}\n", i * 1000)).collect();
     assert_eq!(o.stderr, want_err);
+}
+
+#[test]
+fn guest_ram_is_on_huge_pages_by_default_and_a_memfd_when_asked() {
+    require_kvm();
+    // 32 MiB written to the guest's /tmp, a tmpfs in guest RAM.
+    let script = "dd if=/dev/zero of=/tmp/f bs=1M count=32 2>/dev/null && wc -c < /tmp/f";
+    let cases: [(&[&str], &[(&str, &str)], &str); 4] = [
+        (&[], &[], "guest memory created (huge-page tmpfs)"),
+        (
+            &["--huge-pages"],
+            &[],
+            "guest memory created (huge-page tmpfs)",
+        ),
+        (&["--no-huge-pages"], &[], "guest memory created (memfd)"),
+        (
+            &[],
+            &[("AMVM_HUGE_PAGES", "0")],
+            "guest memory created (memfd)",
+        ),
+    ];
+    for (opts, env, mark) in cases {
+        let mut env = env.to_vec();
+        env.push(("RUST_LOG", "amvm::timeline=debug"));
+        let o = amvm(run_args(opts, &["sh", "-c", script]), &env);
+        assert_eq!(
+            (o.code, o.stdout_str().as_str()),
+            (0, "33554432\n"),
+            "{opts:?} {env:?}: {o:?}"
+        );
+        assert!(
+            o.stderr.contains(mark),
+            "{opts:?} {env:?}: no {mark:?} in {o:?}"
+        );
+    }
 }
 
 #[test]

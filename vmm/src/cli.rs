@@ -96,12 +96,15 @@ pub struct RunArgs {
     /// Show the guest's kernel log on stderr.
     #[arg(long)]
     pub console: bool,
-    /// Back guest RAM with transparent huge pages (an unlinked file in a private
-    /// `huge=within_size` tmpfs) instead of a memfd: fewer nested-paging faults, so
-    /// memory-heavy workloads run faster (1.6x in the emulated test bed). Also
-    /// `AMVM_HUGE_PAGES=1`. Not yet the default (docs/performance.md says why).
-    #[arg(long)]
+    /// Require transparent huge pages for guest RAM (an unlinked file in a private
+    /// `huge=within_size` tmpfs): fail the run where that tmpfs cannot be made, instead of
+    /// the default's fallback to a memfd. Also `AMVM_HUGE_PAGES=1`.
+    #[arg(long, conflicts_with = "no_huge_pages")]
     pub huge_pages: bool,
+    /// Back guest RAM with a memfd, without the default's huge pages. Also
+    /// `AMVM_HUGE_PAGES=0`.
+    #[arg(long)]
+    pub no_huge_pages: bool,
     /// Run amvm's own threads without their seccomp filters: for debugging amvm only, never
     /// for untrusted code (docs/threat-model.md).
     #[arg(long)]
@@ -172,7 +175,11 @@ impl RunArgs {
             mem_mib: config::check_mem(self.mem)?,
             cpus: config::check_cpus(self.cpus)?,
             console: self.console,
-            huge_pages: self.huge_pages || config::huge_pages_from_env()?,
+            huge_pages: config::huge_pages(
+                self.huge_pages,
+                self.no_huge_pages,
+                std::env::var_os("AMVM_HUGE_PAGES").as_deref(),
+            )?,
             seccomp: !self.no_seccomp,
             timeout,
             spec,
@@ -224,6 +231,18 @@ mod tests {
             .contains("--cpus 0"));
         assert!(parse(&["amvm", "run", "--timeout", "0", "--", "true"]).is_err());
         assert!(parse(&["amvm", "run", "-w", "rel", "--", "true"]).is_err());
+        let both = [
+            "amvm",
+            "run",
+            "--huge-pages",
+            "--no-huge-pages",
+            "--",
+            "true",
+        ];
+        assert_eq!(
+            parse(&both).unwrap_err(),
+            "an argument cannot be used with one or more of the other specified arguments"
+        );
         let huge = "x".repeat(guest_init::protocol::MAX_SPEC_LEN);
         let e = parse(&["amvm", "run", "--", "echo", &huge]).unwrap_err();
         assert!(e.contains("more than the"), "{e}");

@@ -2,6 +2,7 @@
 //! runs (the [`RunSpec`] guest-init receives) and how the run is supervised.
 
 use crate::arch::x86_64::mptable;
+use crate::vstate::memory::HugePages;
 use guest_init::protocol::{RunSpec, SpecFile};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::PermissionsExt;
@@ -53,8 +54,8 @@ pub struct RunConfig {
     pub cpus: u8,
     /// Show the guest's kernel console on stderr.
     pub console: bool,
-    /// Guest RAM on transparent huge pages (`--huge-pages`, `AMVM_HUGE_PAGES=1`), else a memfd.
-    pub huge_pages: bool,
+    /// Guest RAM on transparent huge pages, or a memfd (memory.rs).
+    pub huge_pages: HugePages,
     /// Filter amvm's own threads with seccomp (off only with `--no-seccomp`).
     pub seccomp: bool,
     pub timeout: Option<Duration>,
@@ -78,14 +79,26 @@ pub fn default_kernel() -> Result<PathBuf, ConfigError> {
         .join("kernel/vmlinux"))
 }
 
-/// `AMVM_HUGE_PAGES`: `1` turns `--huge-pages` on for every run (unset, empty or `0`: off).
-pub fn huge_pages_from_env() -> Result<bool, ConfigError> {
-    match std::env::var_os("AMVM_HUGE_PAGES") {
-        None => Ok(false),
-        Some(v) if v.is_empty() || v == "0" => Ok(false),
-        Some(v) if v == "1" => Ok(true),
-        Some(v) => Err(ConfigError::HugePagesEnv(v.to_string_lossy().into_owned())),
-    }
+/// The guest RAM backing from `--huge-pages` / `--no-huge-pages` (at most one: clap says so) and
+/// `AMVM_HUGE_PAGES` (`1`: as `--huge-pages`, `0`: as `--no-huge-pages`, unset or empty: the
+/// default). A flag wins over the variable, but a malformed variable is an error either way.
+pub fn huge_pages(
+    on: bool,
+    off: bool,
+    env: Option<&std::ffi::OsStr>,
+) -> Result<HugePages, ConfigError> {
+    let from_env = match env {
+        None => None,
+        Some(v) if v.is_empty() => None,
+        Some(v) if v == "1" => Some(HugePages::Require),
+        Some(v) if v == "0" => Some(HugePages::Off),
+        Some(v) => return Err(ConfigError::HugePagesEnv(v.to_string_lossy().into_owned())),
+    };
+    Ok(match (on, off) {
+        (true, _) => HugePages::Require,
+        (_, true) => HugePages::Off,
+        _ => from_env.unwrap_or(HugePages::Prefer),
+    })
 }
 
 /// amvm's cache: `$AMVM_CACHE`, else `~/.cache/amvm`.
@@ -276,6 +289,28 @@ pub fn workload_env(uid: u32, extra: &[String]) -> Result<Vec<Vec<u8>>, ConfigEr
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn huge_pages_default_on_with_a_way_back() {
+        use std::ffi::OsStr;
+        let hp = |on, off, env: Option<&str>| huge_pages(on, off, env.map(OsStr::new));
+        assert_eq!(hp(false, false, None), Ok(HugePages::Prefer));
+        assert_eq!(hp(false, false, Some("")), Ok(HugePages::Prefer));
+        assert_eq!(hp(false, false, Some("1")), Ok(HugePages::Require));
+        assert_eq!(hp(false, false, Some("0")), Ok(HugePages::Off));
+        assert_eq!(hp(true, false, None), Ok(HugePages::Require));
+        assert_eq!(hp(false, true, None), Ok(HugePages::Off));
+        // A flag wins over the variable...
+        assert_eq!(hp(true, false, Some("0")), Ok(HugePages::Require));
+        assert_eq!(hp(false, true, Some("1")), Ok(HugePages::Off));
+        // ...but a malformed variable is reported, flag or not.
+        for (on, off) in [(false, false), (true, false), (false, true)] {
+            assert_eq!(
+                hp(on, off, Some("yes")),
+                Err(ConfigError::HugePagesEnv("yes".into()))
+            );
+        }
+    }
 
     #[test]
     fn users() {
