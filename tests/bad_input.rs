@@ -152,6 +152,14 @@ fn impossible_sizes() {
         &amvm(["run", "--", "true"], &[("AMVM_HUGE_PAGES", "yes")]),
         "AMVM_HUGE_PAGES=\"yes\": say 1 (on) or 0 (off)",
     );
+    // A flag does not hide a malformed variable.
+    assert_one_line_125(
+        &amvm(
+            ["run", "--huge-pages", "--", "true"],
+            &[("AMVM_HUGE_PAGES", "yes")],
+        ),
+        "AMVM_HUGE_PAGES=\"yes\": say 1 (on) or 0 (off)",
+    );
 }
 
 #[test]

@@ -70,7 +70,7 @@ def rss_fields(pid):
 
 def vmm_memory(argv, settle_s=3.0):
     """Run argv (a workload that prints a line, then sleeps), sampling the VMM's RSS every
-    20 ms. Guest RAM is a shared mapping of a tmpfs file or memfd (RssShmem); the VMM's own memory is the rest
+    20 ms. Guest RAM is a shared memfd mapping (RssShmem); the VMM's own memory is the rest
     (RssAnon + RssFile). Returns (peak own KiB, steady own KiB: the median over `settle_s`
     from 0.5 s after the workload's line, peak shmem KiB = guest RAM the guest touched, peak
     anonymous KiB)."""
@@ -153,7 +153,7 @@ def main():
     amvm = [a.amvm, "run", "--mem", str(a.mem), "--kernel", a.kernel]
     model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     env = f"CPU: {model}; {os.cpu_count()} CPUs"
-    # Two passes of two sides each: amvm's default (huge-page guest RAM), then a memfd, each
+    # Two passes of two sides each: amvm's default, then its opt-in huge-page guest RAM, each
     # against the peer. Within a pass the order flips every round (A B, B A, A B, ...), so each
     # side follows itself as often as the other: in the emulated KVM host a run is measurably
     # slower after an amvm run than after a qemu run, whichever it is (docs/performance.md), and
@@ -162,7 +162,7 @@ def main():
     peer = "qemu microvm -> init reboots"
     default = ("amvm run -- true", amvm + ["--", "true"])
     for label, ours, target in ((*default, "< 1.0"),
-                                ("amvm run --no-huge-pages -- true", amvm + ["--no-huge-pages", "--", "true"], "")):
+                                ("amvm run --huge-pages -- true", amvm + ["--huge-pages", "--", "true"], "")):
         sides = {label: ours, peer: qemu}
         names = list(sides)
         results = {k: [] for k in sides}
@@ -223,7 +223,7 @@ def main():
     mem = [vmm_memory([a.amvm, "run", "--mem", "512", "--kernel", a.kernel, "--", "sh", "-c", "echo up; sleep 5"])
            for _ in range(runs)]
     print(f"\nVMM memory, amvm run --mem 512 -- sh -c 'echo up; sleep 5', {runs} runs (own = RssAnon + RssFile of the amvm "
-          f"process; guest RAM is its shared file mapping, RssShmem)")
+          f"process; guest RAM is its shared memfd, RssShmem)")
     print(f"{'':34} {'median MiB':>10} {'min':>7} {'max':>7}")
     for label, i in (("VMM own memory, peak", 0), ("VMM own memory, steady", 1),
                      ("  of which anonymous, peak", 3), ("guest RAM touched (shmem)", 2)):

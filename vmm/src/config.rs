@@ -2,7 +2,6 @@
 //! runs (the [`RunSpec`] guest-init receives) and how the run is supervised.
 
 use crate::arch::x86_64::mptable;
-use crate::vstate::memory::HugePages;
 use guest_init::protocol::{RunSpec, SpecFile};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::PermissionsExt;
@@ -54,8 +53,8 @@ pub struct RunConfig {
     pub cpus: u8,
     /// Show the guest's kernel console on stderr.
     pub console: bool,
-    /// Guest RAM on transparent huge pages, or a memfd (memory.rs).
-    pub huge_pages: HugePages,
+    /// Guest RAM on transparent huge pages (`--huge-pages`, `AMVM_HUGE_PAGES=1`), else a memfd.
+    pub huge_pages: bool,
     /// Filter amvm's own threads with seccomp (off only with `--no-seccomp`).
     pub seccomp: bool,
     pub timeout: Option<Duration>,
@@ -79,26 +78,17 @@ pub fn default_kernel() -> Result<PathBuf, ConfigError> {
         .join("kernel/vmlinux"))
 }
 
-/// The guest RAM backing from `--huge-pages` / `--no-huge-pages` (at most one: clap says so) and
-/// `AMVM_HUGE_PAGES` (`1`: as `--huge-pages`, `0`: as `--no-huge-pages`, unset or empty: the
-/// default). A flag wins over the variable, but a malformed variable is an error either way.
-pub fn huge_pages(
-    on: bool,
-    off: bool,
-    env: Option<&std::ffi::OsStr>,
-) -> Result<HugePages, ConfigError> {
+/// Guest RAM on huge pages, from `--huge-pages` / `--no-huge-pages` (at most one: clap says so)
+/// and `AMVM_HUGE_PAGES` (`1`: as `--huge-pages`; `0`, empty or unset: not). A flag wins over
+/// the variable, but a malformed variable is an error either way.
+pub fn huge_pages(on: bool, off: bool, env: Option<&std::ffi::OsStr>) -> Result<bool, ConfigError> {
     let from_env = match env {
-        None => None,
-        Some(v) if v.is_empty() => None,
-        Some(v) if v == "1" => Some(HugePages::Require),
-        Some(v) if v == "0" => Some(HugePages::Off),
+        None => false,
+        Some(v) if v.is_empty() || v == "0" => false,
+        Some(v) if v == "1" => true,
         Some(v) => return Err(ConfigError::HugePagesEnv(v.to_string_lossy().into_owned())),
     };
-    Ok(match (on, off) {
-        (true, _) => HugePages::Require,
-        (_, true) => HugePages::Off,
-        _ => from_env.unwrap_or(HugePages::Prefer),
-    })
+    Ok(on || (!off && from_env))
 }
 
 /// amvm's cache: `$AMVM_CACHE`, else `~/.cache/amvm`.
@@ -291,18 +281,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn huge_pages_default_on_with_a_way_back() {
+    fn huge_pages_from_the_flags_and_the_environment() {
         use std::ffi::OsStr;
         let hp = |on, off, env: Option<&str>| huge_pages(on, off, env.map(OsStr::new));
-        assert_eq!(hp(false, false, None), Ok(HugePages::Prefer));
-        assert_eq!(hp(false, false, Some("")), Ok(HugePages::Prefer));
-        assert_eq!(hp(false, false, Some("1")), Ok(HugePages::Require));
-        assert_eq!(hp(false, false, Some("0")), Ok(HugePages::Off));
-        assert_eq!(hp(true, false, None), Ok(HugePages::Require));
-        assert_eq!(hp(false, true, None), Ok(HugePages::Off));
+        assert_eq!(hp(false, false, None), Ok(false));
+        assert_eq!(hp(false, false, Some("")), Ok(false));
+        assert_eq!(hp(false, false, Some("0")), Ok(false));
+        assert_eq!(hp(false, false, Some("1")), Ok(true));
+        assert_eq!(hp(true, false, None), Ok(true));
         // A flag wins over the variable...
-        assert_eq!(hp(true, false, Some("0")), Ok(HugePages::Require));
-        assert_eq!(hp(false, true, Some("1")), Ok(HugePages::Off));
+        assert_eq!(hp(true, false, Some("0")), Ok(true));
+        assert_eq!(hp(false, true, Some("1")), Ok(false));
         // ...but a malformed variable is reported, flag or not.
         for (on, off) in [(false, false), (true, false), (false, true)] {
             assert_eq!(

@@ -6,15 +6,15 @@
 //! Pages are not touched here: the host commits them only when the guest (or a backend) first
 //! uses them.
 //!
-//! By default the file is an unlinked one in a tmpfs instance of amvm's own, mounted nowhere,
-//! with transparent huge pages (`huge=within_size`); where that tmpfs cannot be made, a memfd,
-//! which gets huge pages only where the host's `shmem_enabled` says so (Debian's default:
-//! never). `--huge-pages` requires the tmpfs (the run fails without it), `--no-huge-pages`
-//! asks for the memfd. Without huge pages every 4 KiB page the guest touches is its own
-//! nested-paging fault and TLB entry. Measured in the emulated KVM host (docs/performance.md):
-//! qemu's own microvm boot of our kernel took 3.0-3.6 s on its default THP-backed anonymous RAM
-//! and 3.5-5.3 s on a memfd, and a memory-heavy workload took about two thirds of the time on
-//! the huge-page file.
+//! With `--huge-pages` the file is an unlinked one in a tmpfs instance of amvm's own, mounted
+//! nowhere, with transparent huge pages (`huge=within_size`); by default it is a memfd, which
+//! gets huge pages only where the host's `shmem_enabled` says so (Debian's default: never).
+//! Without them every 4 KiB page the guest touches is its own nested-paging fault and TLB entry.
+//! Measured in the emulated KVM host (docs/performance.md): qemu's own microvm boot of our kernel
+//! took 3.0-3.6 s on its default THP-backed anonymous RAM and 3.5-5.3 s on a memfd, and a
+//! memory-heavy workload took about two thirds of the time on the huge-page file. Not the default
+//! because one nested guest of the emulated test bed died of an unexplained kernel panic with it
+//! (docs/performance.md).
 
 use crate::arch::x86_64::layout;
 use std::fs::File;
@@ -27,7 +27,7 @@ use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap};
 pub enum MemoryError {
     #[error("cannot create {mib} MiB of guest memory: {source}")]
     Memfd { mib: u64, source: io::Error },
-    #[error("--huge-pages: cannot make the huge-page tmpfs for guest RAM: {source} (it needs the mount API, Linux 5.2 or later, and a user namespace amvm may mount tmpfs in; run without --huge-pages to fall back to a memfd)")]
+    #[error("--huge-pages: cannot make the huge-page tmpfs for guest RAM: {source} (it needs the mount API, Linux 5.2 or later, and a user namespace amvm may mount tmpfs in; run without --huge-pages for a memfd)")]
     HugeTmpfs { source: io::Error },
     #[error("cannot map {mib} MiB of guest memory: {source}")]
     Map {
@@ -45,33 +45,15 @@ pub enum Backing {
     Memfd,
 }
 
-/// Which backing a run asks for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HugePages {
-    /// The huge-page tmpfs, else a memfd (the default).
-    Prefer,
-    /// The huge-page tmpfs or an error (`--huge-pages`, `AMVM_HUGE_PAGES=1`).
-    Require,
-    /// A memfd (`--no-huge-pages`, `AMVM_HUGE_PAGES=0`).
-    Off,
-}
-
-/// Map `mib` MiB of guest RAM backed by a fresh shared-memory file, as `want` asks.
-pub fn create(mib: u64, want: HugePages) -> Result<(GuestMemoryMmap, Backing), MemoryError> {
+/// Map `mib` MiB of guest RAM backed by a fresh shared-memory file: the huge-page tmpfs file if
+/// `huge`, else a memfd.
+pub fn create(mib: u64, huge: bool) -> Result<(GuestMemoryMmap, Backing), MemoryError> {
     let memfd = |source| MemoryError::Memfd { mib, source };
-    let (file, backing) = match want {
-        HugePages::Off => (new_memfd().map_err(memfd)?, Backing::Memfd),
-        HugePages::Require => {
-            let file = huge_tmpfs_file().map_err(|source| MemoryError::HugeTmpfs { source })?;
-            (file, Backing::HugeTmpfs)
-        }
-        HugePages::Prefer => match huge_tmpfs_file() {
-            Ok(file) => (file, Backing::HugeTmpfs),
-            Err(e) => {
-                tracing::debug!("no huge-page tmpfs for guest RAM ({e}): using a memfd");
-                (new_memfd().map_err(memfd)?, Backing::Memfd)
-            }
-        },
+    let (file, backing) = if huge {
+        let file = huge_tmpfs_file().map_err(|source| MemoryError::HugeTmpfs { source })?;
+        (file, Backing::HugeTmpfs)
+    } else {
+        (new_memfd().map_err(memfd)?, Backing::Memfd)
     };
     let file = Arc::new(file);
     let ranges = layout::ram_ranges(mib << 20);
@@ -172,32 +154,10 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
 
     #[test]
-    fn no_huge_pages_gives_a_memfd() {
-        use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
-        let (mem, backing) = create(64, HugePages::Off).unwrap();
+    fn guest_ram_is_a_memfd_by_default() {
+        use vm_memory::GuestMemoryBackend;
+        let (mem, backing) = create(64, false).unwrap();
         assert_eq!((mem.num_regions(), backing), (1, Backing::Memfd));
-        let f = mem
-            .find_region(GuestAddress(0))
-            .unwrap()
-            .file_offset()
-            .unwrap()
-            .file();
-        let link = std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).unwrap();
-        assert!(
-            link.to_string_lossy().starts_with("/memfd:amvm-guest-ram"),
-            "{link:?}"
-        );
-    }
-
-    #[test]
-    fn the_default_falls_back_to_a_memfd_only_where_the_tmpfs_cannot_be_made() {
-        let (_, backing) = create(64, HugePages::Prefer).unwrap();
-        let expected = if huge_tmpfs_file().is_ok() {
-            Backing::HugeTmpfs
-        } else {
-            Backing::Memfd
-        };
-        assert_eq!(backing, expected);
     }
 
     #[test]
@@ -207,11 +167,11 @@ mod tests {
         if unsafe { libc::geteuid() } != 0 {
             // Outside amvm's user namespace (jail.rs) a non-root process may not mount tmpfs:
             // the run fails, saying why, rather than silently using a memfd.
-            let e = create(64, HugePages::Require).unwrap_err();
+            let e = create(64, true).unwrap_err();
             assert!(matches!(e, MemoryError::HugeTmpfs { .. }), "{e}");
             return;
         }
-        let (mem, backing) = create(64, HugePages::Require).unwrap();
+        let (mem, backing) = create(64, true).unwrap();
         assert_eq!((mem.num_regions(), backing), (1, Backing::HugeTmpfs));
         // The file that backs guest RAM, as virtiofsd would be given it.
         use vm_memory::GuestMemoryRegion;
