@@ -14,7 +14,8 @@
 //! took 3.0-3.6 s on its default THP-backed anonymous RAM and 3.5-5.3 s on a memfd, and a
 //! memory-heavy workload took about two thirds of the time on the huge-page file. Not the default
 //! because, with it, one nested guest of the emulated test bed died of an unexplained kernel
-//! panic and one test-suite run's 1 GiB egress upload stalled (docs/performance.md).
+//! panic, and in one test-suite run a 1 GiB egress upload ran past its 1500 s limit (a stall or
+//! a slow test bed: one run cannot tell; docs/performance.md).
 
 use crate::arch::x86_64::layout;
 use std::fs::File;
