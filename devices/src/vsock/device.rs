@@ -1,12 +1,15 @@
 //! The vsock device behind the virtio-mmio transport, and its worker thread: the thin event
 //! glue around the [`Muxer`]. The worker waits (epoll) on the TX and RX queue notifications,
 //! on every host stream that has something to do, and on a kill event; it moves guest packets
-//! into the muxer, fills guest RX buffers from it, and raises the interrupt when it used any.
+//! into the muxer, fills guest RX buffers from it, and raises the interrupt when it used any
+//! and the driver asked for one (`EVENT_IDX`).
 
 use super::defs::*;
 use super::muxer::{Backend, ConnKey, Muxer};
 use super::packet::{read_tx, write_rx};
-use crate::virtio::{ActivateError, InterruptStatus, VirtioDevice, VIRTIO_F_VERSION_1};
+use crate::virtio::{
+    ActivateError, InterruptStatus, VirtioDevice, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+};
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -145,8 +148,10 @@ where
     fn queue_max_sizes(&self) -> &[u16] {
         &self.queue_sizes
     }
+    /// `EVENT_IDX`: the driver says how far we may go before it wants an interrupt or a kick
+    /// (Linux suppresses both while its RX and TX work runs), instead of one of each per batch.
     fn device_features(&self) -> u64 {
-        1 << VIRTIO_F_VERSION_1
+        (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_RING_F_EVENT_IDX)
     }
     fn ack_features(&mut self, acked: u64) {
         self.acked_features = acked;
@@ -274,32 +279,65 @@ where
     }
 
     /// Every packet the guest queued goes to the muxer; malformed chains are dropped (logged).
+    /// Before returning, ask the driver for a kick at its next packet (with `EVENT_IDX` it
+    /// sends none unless asked), and drain again if packets came while asking. A pass that
+    /// finds none although the ring says there are (an index we cannot use) ends it: a broken
+    /// ring costs the guest its next kick, not a spinning VMM thread.
     fn process_tx(&mut self) {
         let mut used = false;
-        while let Some(chain) = self.tx.pop_descriptor_chain(&self.mem) {
-            let head = chain.head_index();
-            match read_tx(&self.mem, chain) {
-                Ok(pkt) => self.muxer.recv_from_guest(&pkt),
-                Err(e) => tracing::warn!("vsock: dropped a malformed TX chain: {e}"),
+        let mut first = true;
+        loop {
+            let mut popped = false;
+            while let Some(chain) = self.tx.pop_descriptor_chain(&self.mem) {
+                let head = chain.head_index();
+                match read_tx(&self.mem, chain) {
+                    Ok(pkt) => self.muxer.recv_from_guest(&pkt),
+                    Err(e) => tracing::warn!("vsock: dropped a malformed TX chain: {e}"),
+                }
+                if let Err(e) = self.tx.add_used(&self.mem, head, 0) {
+                    tracing::warn!("vsock: TX used ring: {e:?}");
+                }
+                used = true;
+                popped = true;
             }
-            if let Err(e) = self.tx.add_used(&self.mem, head, 0) {
-                tracing::warn!("vsock: TX used ring: {e:?}");
+            let more = match self.tx.enable_notification(&self.mem) {
+                Ok(more) => more,
+                Err(e) => {
+                    tracing::warn!("vsock: TX notification: {e:?}");
+                    false
+                }
+            };
+            if !(more && (popped || first)) {
+                break;
             }
-            used = true;
+            first = false;
         }
         if used {
-            self.signal();
+            Self::signal_if_due(&mut self.tx, &self.mem, &self.interrupt);
         }
     }
 
     /// Fill guest RX buffers while the muxer has packets for them.
     fn fill_rx(&mut self) {
         let mut used = false;
+        // A buffer was taken since we last asked for a kick (see `process_tx` on broken rings).
+        let mut progressed = true;
         loop {
             let Some(chain) = self.rx.pop_descriptor_chain(&self.mem) else {
+                // Out of buffers: ask for a kick when the driver adds one (with `EVENT_IDX` it
+                // sends none unless asked); if some came while asking, go on.
+                match self.rx.enable_notification(&self.mem) {
+                    Ok(true) if progressed => {
+                        progressed = false;
+                        continue;
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("vsock: RX notification: {e:?}"),
+                }
                 self.rx_starved = true;
                 break;
             };
+            progressed = true;
             let head = chain.head_index();
             let descs: Vec<_> = chain.collect();
             let room: usize = descs
@@ -328,13 +366,24 @@ where
             used = true;
         }
         if used {
-            self.signal();
+            Self::signal_if_due(&mut self.rx, &self.mem, &self.interrupt);
         }
     }
 
-    fn signal(&self) {
-        if let Err(e) = self.interrupt.signal_used_queue() {
-            tracing::warn!("vsock: interrupt: {e}");
+    /// Interrupt the guest for the buffers just used on `queue`, if it asked for one: always
+    /// without `EVENT_IDX`; with it, when this batch passed its `used_event`.
+    fn signal_if_due(queue: &mut Queue, mem: &GuestMemoryMmap, interrupt: &InterruptStatus) {
+        let due = match queue.needs_notification(mem) {
+            Ok(due) => due,
+            Err(e) => {
+                tracing::warn!("vsock: used_event: {e:?}");
+                true
+            }
+        };
+        if due {
+            if let Err(e) = interrupt.signal_used_queue() {
+                tracing::warn!("vsock: interrupt: {e}");
+            }
         }
     }
 
@@ -388,5 +437,211 @@ where
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The worker's notification handling against rings laid out by hand, as a driver would
+    //! (or a hostile one): with `EVENT_IDX` the device must ask for each kick it needs and
+    //! interrupt only when asked, and a ring index it cannot use must not make it spin.
+    use super::*;
+    use crate::virtio::Interrupt;
+    use std::os::unix::net::UnixStream;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use vm_memory::{Bytes, GuestAddress};
+
+    const SIZE: u16 = 16;
+    const GUEST_CID: u64 = 3;
+    // Per queue: descriptor table, avail ring, used ring, and one 4 KiB page per buffer.
+    const TX_BASE: u64 = 0x10000;
+    const RX_BASE: u64 = 0x40000;
+    const DESC: u64 = 0;
+    const AVAIL: u64 = 0x1000;
+    const USED: u64 = 0x2000;
+    const BUFS: u64 = 0x3000;
+
+    #[derive(Debug, Default)]
+    struct Counter(AtomicUsize);
+    impl Interrupt for Counter {
+        fn trigger(&self) -> io::Result<()> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+    }
+
+    /// Publishes nothing: every REQUEST gets a RST, which is all these tests need to move.
+    struct NoPorts;
+    impl Backend for NoPorts {
+        type Stream = UnixStream;
+        fn connect(&mut self, _port: u32) -> Option<io::Result<UnixStream>> {
+            None
+        }
+    }
+
+    fn queue(base: u64) -> Queue {
+        let mut q = Queue::new(SIZE).unwrap();
+        q.try_set_desc_table_address(GuestAddress(base + DESC))
+            .unwrap();
+        q.try_set_avail_ring_address(GuestAddress(base + AVAIL))
+            .unwrap();
+        q.try_set_used_ring_address(GuestAddress(base + USED))
+            .unwrap();
+        q.set_event_idx(true);
+        q.set_ready(true);
+        q
+    }
+
+    fn worker(counter: Arc<Counter>) -> Worker<NoPorts> {
+        let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
+        Worker {
+            mem,
+            rx: queue(RX_BASE),
+            tx: queue(TX_BASE),
+            rx_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            tx_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            evq_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            kill: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
+            interrupt: Arc::new(InterruptStatus::new(counter)),
+            muxer: Muxer::new(NoPorts, GUEST_CID, CONN_BUF_ALLOC),
+            epoll: Epoll::new().unwrap(),
+            polled: HashMap::new(),
+            tokens: HashMap::new(),
+            next_token: FIRST_CONN_TOKEN,
+            rx_starved: false,
+        }
+    }
+
+    fn u16_at(w: &Worker<NoPorts>, addr: u64) -> u16 {
+        w.mem.read_obj::<u16>(GuestAddress(addr)).unwrap()
+    }
+    fn set_u16(w: &Worker<NoPorts>, addr: u64, v: u16) {
+        w.mem.write_obj(v, GuestAddress(addr)).unwrap();
+    }
+    /// `avail.idx`, `used_event` (after the avail ring), `used.idx`, `avail_event`.
+    fn avail_idx(base: u64) -> u64 {
+        base + AVAIL + 2
+    }
+    fn used_event(base: u64) -> u64 {
+        base + AVAIL + 4 + 2 * u64::from(SIZE)
+    }
+    fn used_idx(base: u64) -> u64 {
+        base + USED + 2
+    }
+    fn avail_event(base: u64) -> u64 {
+        base + USED + 4 + 8 * u64::from(SIZE)
+    }
+
+    /// Descriptor `i` of the queue at `base`: one buffer of `len` bytes at its own page.
+    fn put_desc(w: &Worker<NoPorts>, base: u64, i: u16, len: u32, flags: u16) -> u64 {
+        let buf = base + BUFS + 0x1000 * u64::from(i);
+        let d = base + DESC + 16 * u64::from(i);
+        w.mem.write_obj(buf, GuestAddress(d)).unwrap();
+        w.mem.write_obj(len, GuestAddress(d + 8)).unwrap();
+        w.mem.write_obj(flags, GuestAddress(d + 12)).unwrap();
+        w.mem.write_obj(0u16, GuestAddress(d + 14)).unwrap();
+        buf
+    }
+
+    /// Make descriptor `i` available at ring slot `slot` and publish `avail.idx = slot + 1`.
+    fn offer(w: &Worker<NoPorts>, base: u64, slot: u16, i: u16) {
+        set_u16(w, base + AVAIL + 4 + 2 * u64::from(slot % SIZE), i);
+        set_u16(w, avail_idx(base), slot + 1);
+    }
+
+    /// A REQUEST from the guest to `port` in TX descriptor `i`, offered at ring slot `slot`.
+    fn send_request(w: &Worker<NoPorts>, slot: u16, i: u16, port: u32) {
+        let hdr = super::super::packet::Header {
+            src_cid: GUEST_CID,
+            dst_cid: HOST_CID,
+            src_port: 50000 + u32::from(slot),
+            dst_port: port,
+            len: 0,
+            type_: TYPE_STREAM,
+            op: OP_REQUEST,
+            flags: 0,
+            buf_alloc: 4096,
+            fwd_cnt: 0,
+        };
+        let buf = put_desc(w, TX_BASE, i, HDR_LEN as u32, 0);
+        w.mem
+            .write_slice(&hdr.to_bytes(), GuestAddress(buf))
+            .unwrap();
+        offer(w, TX_BASE, slot, i);
+    }
+
+    #[test]
+    fn with_event_idx_the_device_asks_for_each_kick_and_interrupts_only_when_asked() {
+        let counter = Arc::new(Counter::default());
+        let mut w = worker(counter.clone());
+        // The driver wants an interrupt after the first used TX buffer (used_event = 0).
+        set_u16(&w, used_event(TX_BASE), 0);
+        send_request(&w, 0, 0, 1);
+        w.process_tx();
+        assert_eq!(u16_at(&w, used_idx(TX_BASE)), 1);
+        assert_eq!(
+            counter.0.load(Ordering::SeqCst),
+            1,
+            "asked for: interrupted"
+        );
+        assert_eq!(
+            u16_at(&w, avail_event(TX_BASE)),
+            1,
+            "the device asks for a kick at the next packet"
+        );
+        // Now the driver asks for no interrupt before its fifth used buffer.
+        set_u16(&w, used_event(TX_BASE), 4);
+        send_request(&w, 1, 1, 2);
+        send_request(&w, 2, 2, 3);
+        w.process_tx();
+        assert_eq!(u16_at(&w, used_idx(TX_BASE)), 3);
+        assert_eq!(counter.0.load(Ordering::SeqCst), 1, "not asked for: none");
+        assert_eq!(u16_at(&w, avail_event(TX_BASE)), 3);
+
+        // The three resets wait for RX buffers; there are none: the device asks for a kick at
+        // the driver's next one, and interrupts for nothing.
+        w.fill_rx();
+        assert!(w.rx_starved);
+        assert_eq!(u16_at(&w, avail_event(RX_BASE)), 0);
+        assert_eq!(counter.0.load(Ordering::SeqCst), 1);
+        // Two buffers, used_event = 0: the first fill interrupts once for both.
+        set_u16(&w, used_event(RX_BASE), 0);
+        for i in 0..2 {
+            put_desc(&w, RX_BASE, i, 4096, 2 /* VRING_DESC_F_WRITE */);
+            offer(&w, RX_BASE, i, i);
+        }
+        w.fill_rx();
+        assert_eq!(u16_at(&w, used_idx(RX_BASE)), 2);
+        assert_eq!(counter.0.load(Ordering::SeqCst), 2);
+        // Starved again with one reset left: the kick is asked for at the new position.
+        assert!(w.rx_starved);
+        assert_eq!(u16_at(&w, avail_event(RX_BASE)), 2);
+        let mut raw = [0u8; HDR_LEN];
+        w.mem
+            .read_slice(&mut raw, GuestAddress(RX_BASE + BUFS))
+            .unwrap();
+        let rst = super::super::packet::Header::from_bytes(&raw);
+        assert_eq!((rst.op, rst.dst_port), (OP_RST, 50000));
+    }
+
+    #[test]
+    fn an_avail_index_the_device_cannot_use_does_not_make_it_spin() {
+        let counter = Arc::new(Counter::default());
+        let mut w = worker(counter.clone());
+        // avail.idx 1000 ahead of a 16-entry ring: not a ring any driver could have made.
+        set_u16(&w, avail_idx(TX_BASE), 1000);
+        set_u16(&w, avail_idx(RX_BASE), 1000);
+        w.process_tx();
+        w.fill_rx();
+        assert_eq!(u16_at(&w, used_idx(TX_BASE)), 0);
+        assert_eq!(u16_at(&w, used_idx(RX_BASE)), 0);
+        assert_eq!(counter.0.load(Ordering::SeqCst), 0);
+        // The driver repairs its ring: the device goes on from where it was.
+        set_u16(&w, avail_idx(TX_BASE), 0);
+        set_u16(&w, used_event(TX_BASE), 0);
+        send_request(&w, 0, 0, 1);
+        w.process_tx();
+        assert_eq!(u16_at(&w, used_idx(TX_BASE)), 1);
+        assert_eq!(counter.0.load(Ordering::SeqCst), 1);
     }
 }
