@@ -12,8 +12,9 @@
 //! buffer drains) costs the guest one more packet and interrupt per 64 KiB it sends.
 //!
 //! ## Guest -> host
-//! Payload is appended to `tx_buf`, then written to the host stream non-blocking. `WouldBlock`
-//! means nothing was written; the rest waits in `tx_buf` until the stream is writable again.
+//! Payload is written to the host stream non-blocking, straight from the packet when `tx_buf` is
+//! empty, else appended to it. `WouldBlock` means nothing was written; the rest waits in `tx_buf`
+//! until the stream is writable again.
 //! `fwd_cnt` advances only by bytes the host stream accepted. A guest that sends beyond the
 //! credit we advertised broke the protocol and gets RST — never silent loss. A guest
 //! SHUTDOWN(SEND) becomes `shutdown(SHUT_WR)` on the host stream once `tx_buf` is empty.
