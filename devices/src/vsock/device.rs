@@ -285,9 +285,9 @@ where
     /// ring costs the guest its next kick, not a spinning VMM thread.
     fn process_tx(&mut self) {
         let mut used = false;
-        let mut first = true;
+        // A packet was taken since we last asked for a kick (the first pass always may retry).
+        let mut progressed = true;
         loop {
-            let mut popped = false;
             while let Some(chain) = self.tx.pop_descriptor_chain(&self.mem) {
                 let head = chain.head_index();
                 match read_tx(&self.mem, chain) {
@@ -298,7 +298,7 @@ where
                     tracing::warn!("vsock: TX used ring: {e:?}");
                 }
                 used = true;
-                popped = true;
+                progressed = true;
             }
             let more = match self.tx.enable_notification(&self.mem) {
                 Ok(more) => more,
@@ -307,10 +307,10 @@ where
                     false
                 }
             };
-            if !(more && (popped || first)) {
+            if !(more && progressed) {
                 break;
             }
-            first = false;
+            progressed = false;
         }
         if used {
             Self::signal_if_due(&mut self.tx, &self.mem, &self.interrupt);
