@@ -1,6 +1,6 @@
 //! Boot real microVMs and check what comes back: exit statuses, stdout/stderr separation,
-//! vCPUs, the workload's user, environment and working directory, a pseudo-terminal, and
-//! repeated runs.
+//! vCPUs, the workload's user, environment and working directory, a pseudo-terminal, the
+//! loopback interface, and repeated runs.
 
 use amvm_tests::{amvm, require_kvm, run_args, run_vm, sh};
 
@@ -124,6 +124,26 @@ fn the_workload_can_open_a_pseudo_terminal() {
         (0, "/dev/pts/0 through the pty 1000\n"),
         "{o:?}"
     );
+}
+
+/// `lo` is up on every run, not only with `--egress`: a workload can serve on 127.0.0.1 and
+/// reach itself there, as test suites with a local server do.
+#[test]
+fn the_workload_has_a_loopback_without_egress() {
+    let o = run_vm(
+        &[],
+        &[
+            "python3",
+            "-c",
+            "import socket\n\
+             srv = socket.create_server(('127.0.0.1', 0))\n\
+             c = socket.create_connection(srv.getsockname())\n\
+             a, _ = srv.accept()\n\
+             c.sendall(b'over lo')\n\
+             print(a.recv(64).decode())",
+        ],
+    );
+    assert_eq!((o.code, o.stdout_str().as_str()), (0, "over lo\n"), "{o:?}");
 }
 
 #[test]

@@ -6,7 +6,6 @@
 //! listens.
 
 use crate::channel::vsock_connect;
-use crate::sys;
 use guest_init::protocol::EGRESS_PORT;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -17,9 +16,8 @@ pub const EGRESS_TCP_PORT: u16 = 4700;
 /// The unix socket in the guest.
 pub const EGRESS_SOCK: &str = "/run/amvm/egress.sock";
 
-/// Start listening; returns the variables the workload gets.
+/// Start listening (on `lo`, which main brings up first); returns the variables the workload gets.
 pub fn start() -> io::Result<Vec<(String, String)>> {
-    sys::loopback_up()?;
     let tcp = TcpListener::bind(("127.0.0.1", EGRESS_TCP_PORT))?;
     std::fs::create_dir_all("/run/amvm")?;
     let unix = UnixListener::bind(EGRESS_SOCK)?;

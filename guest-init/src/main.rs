@@ -50,6 +50,8 @@ fn main() {
 fn run(chan: &mut channel::Channel) -> Result<u8, String> {
     let mut spec = chan.run_spec()?;
     mounts::root(&spec).map_err(|e| format!("building the guest's root: {e}"))?;
+    // `lo` on every run, egress or not: a workload's own servers and tests use 127.0.0.1.
+    sys::loopback_up().map_err(|e| format!("bringing up the loopback interface: {e}"))?;
     if spec.egress {
         let vars = egress::start().map_err(|e| format!("starting the egress relay: {e}"))?;
         spec.env.extend(
