@@ -5,6 +5,7 @@
 //! virtualization — notably PVM, a software-only KVM for nested use that cannot run a stock
 //! guest kernel (no `vmx`/`svm` CPU flag; its module is `kvm_pvm`).
 
+use crate::arch::x86_64::cpuid;
 use kvm_bindings::{CpuId, KVM_MAX_CPUID_ENTRIES};
 use kvm_ioctls::Cap;
 use std::ffi::CString;
@@ -80,9 +81,14 @@ impl Kvm {
                 return Err(KvmError::MissingCap(cap));
             }
         }
-        let supported_cpuid = fd
+        let mut supported_cpuid = fd
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(KvmError::SupportedCpuid)?;
+        // KVM emulates the LAPIC's TSC-deadline timer but says so by this capability, not in
+        // the supported CPUID (Documentation/virt/kvm/api.rst, KVM_GET_SUPPORTED_CPUID).
+        if fd.check_extension(Cap::TscDeadlineTimer) {
+            cpuid::offer_tsc_deadline(supported_cpuid.as_mut_slice());
+        }
         let msr_index_list = fd
             .get_msr_index_list()
             .map_err(KvmError::MsrIndexList)?
