@@ -5,8 +5,11 @@ Rows: one stream of N bytes guest->host and host->guest through amvm's egress (a
 guest on its loopback, the relay, vsock, the VMM, the host unix socket), with two guest clients:
 Python moving 1 MiB per call as the baseline does, and busybox nc; the same N bytes over a unix
 socket pair on the host (the baseline, Python, 1 MiB per call); and through a pipe inside the guest
-(what the guest itself can move: on an emulated KVM host the nested guest is the bottleneck). Same
-environment, interleaved.
+(what the guest itself can move: on an emulated KVM host the nested guest is the bottleneck). Then
+latency: K round trips of one byte each way (a request, its response) through the egress,
+over a host unix socket pair, and over TCP on the guest's own loopback (what the guest alone
+costs), the same Python on both ends, each round trip timed where the responses are sent
+(between two requests' arrivals). Same environment, interleaved.
 """
 import argparse, os, shlex, socket, statistics, subprocess, sys, tempfile, threading, time
 
@@ -15,10 +18,34 @@ CHUNK = 1 << 20
 # The guest side of a stream, in Python: `up N` sends N zero bytes after "SINK", `down N` asks for N
 # and counts them (printing the count); 1 MiB pieces, as the host baseline.
 GUEST_CLIENT = r"""
-import os, socket, sys
+import os, socket, sys, threading, time
+way, n = sys.argv[1], int(sys.argv[2])
+if way == "loop":
+    # No egress: n one-byte round trips over the guest's own loopback TCP, two threads of one
+    # process as the host baseline does; the gaps between requests' arrivals in microseconds.
+    srv = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(srv.getsockname())
+    e, _ = srv.accept()
+    for x in (c, e):
+        x.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    arrivals = []
+    def echo():
+        for _ in range(n):
+            if e.recv(1) != b"x":
+                return
+            arrivals.append(time.perf_counter())
+            e.sendall(b"y")
+    t = threading.Thread(target=echo)
+    t.start()
+    for i in range(n):
+        c.sendall(b"x")
+        if c.recv(1) != b"y":
+            sys.exit("loop %d: no response" % i)
+    t.join()
+    print(" ".join("%.1f" % ((b - a) * 1e6) for a, b in zip(arrivals, arrivals[1:])))
+    sys.exit(0)
 host, port = os.environ["AMVM_EGRESS_ADDR"].rsplit(":", 1)
 s = socket.create_connection((host, int(port)))
-way, n = sys.argv[1], int(sys.argv[2])
 if way == "up":
     s.sendall(b"SINK\n")
     buf = memoryview(bytes(1 << 20))
@@ -28,6 +55,15 @@ if way == "up":
         n -= k
     s.shutdown(socket.SHUT_WR)
     s.recv(1)
+elif way == "ping":
+    # Like an HTTP client (Node sets it by default): no Nagle delay on small writes.
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    s.sendall(b"ECHO %d\n" % n)
+    for i in range(n):
+        s.sendall(b"x")
+        if s.recv(1) != b"y":
+            sys.exit("ping %d: no response" % i)
+    print(n)
 else:
     s.sendall(b"SOURCE %d\n" % n)
     buf = bytearray(1 << 20)
@@ -51,8 +87,21 @@ def send_zeros(sock, n):
         left -= k
 
 
+def echo(c, k):
+    """Answer k one-byte requests with one byte each; the gaps between requests' arrivals (each
+    a whole round trip: our response out, the next request back), in seconds."""
+    arrivals = []
+    for _ in range(k):
+        if c.recv(1) != b"x":
+            break
+        arrivals.append(time.perf_counter())
+        c.sendall(b"y")
+    return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
 def serve(path, results):
-    """Unix socket server: 'SINK' -> read to EOF; 'SOURCE n' -> send n zero bytes."""
+    """Unix socket server: 'SINK' -> read to EOF; 'SOURCE n' -> send n zero bytes; 'ECHO k' ->
+    k one-byte round trips."""
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(path)
     srv.listen(4)
@@ -75,6 +124,9 @@ def serve(path, results):
                     break
                 n += len(d)
             results.append(("sink", n, time.perf_counter() - t0))
+        elif words[0] == b"ECHO":
+            gaps = echo(c, int(words[1]))
+            results.append(("echo", len(gaps) + 1, gaps))
         else:
             n = int(words[1])
             send_zeros(c, n)
@@ -112,11 +164,25 @@ def host_pair(n):
     return dt
 
 
+def host_pair_pings(k):
+    """The baseline's latency: k one-byte round trips over a unix socket pair, one thread each side."""
+    a, b = socket.socketpair()
+    gaps = []
+    t = threading.Thread(target=lambda: gaps.extend(echo(b, k)))
+    t.start()
+    for _ in range(k):
+        a.sendall(b"x")
+        assert a.recv(1) == b"y"
+    t.join()
+    return gaps
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--amvm", required=True)
     ap.add_argument("--bytes", type=int, default=1 << 30)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--pings", type=int, default=1000)
     a = ap.parse_args()
     n = a.bytes
     d = tempfile.mkdtemp()
@@ -135,6 +201,7 @@ def main():
     )
     times = {name: [] for name, _ in streams}
     times.update({"unix socket pair (host)": [], "pipe inside the guest": []})
+    pings = {"amvm egress": [], "unix socket pair (host)": [], "loopback TCP inside the guest": []}
     for r in range(a.runs):
         for name, script in streams:
             results.clear()
@@ -153,6 +220,21 @@ def main():
         p = subprocess.run([a.amvm, "run", "--", "sh", "-c", f"cut -d' ' -f1 /proc/uptime; head -c {n} /dev/zero | cat > /dev/null; cut -d' ' -f1 /proc/uptime"], capture_output=True, text=True)
         start, end = (float(x) for x in p.stdout.split())
         times["pipe inside the guest"].append(end - start)
+        results.clear()
+        p = subprocess.run([a.amvm, "run", "--egress", path, "--", "sh", "-c", f"{py} ping {a.pings}"], capture_output=True, text=True)
+        if p.returncode != 0 or p.stdout.strip() != str(a.pings) or not results or results[-1][1] != a.pings:
+            print(f"1-byte round trips: exit {p.returncode}: {p.stdout} {p.stderr} {results[-1:]}", file=sys.stderr)
+            return 1
+        pings["amvm egress"].extend(results[-1][2])
+        pings["unix socket pair (host)"].extend(host_pair_pings(a.pings))
+        # What the guest alone costs per round trip (the egress path crosses its loopback TCP
+        # once each way, besides vsock and the host).
+        p = subprocess.run([a.amvm, "run", "--", "sh", "-c", f"{py} loop {a.pings}"], capture_output=True, text=True)
+        gaps = p.stdout.split()
+        if p.returncode != 0 or len(gaps) != a.pings - 1:
+            print(f"1-byte round trips in the guest: exit {p.returncode}: {len(gaps)} gaps {p.stderr}", file=sys.stderr)
+            return 1
+        pings["loopback TCP inside the guest"].extend(float(g) / 1e6 for g in gaps)
     mib = n / (1 << 20)
     print(f"\negress benchmark: {a.runs} runs of {mib:.0f} MiB per row (server-side time, first byte to EOF)")
     print(f"{'row':32} {'median MiB/s':>13} {'min':>8} {'max':>8}")
@@ -168,6 +250,17 @@ def main():
         if i < 2:
             print(f"SUMMARY|egress {label}, {mib:.0f} MiB|{rate:.1f} MiB/s|{base:.1f} MiB/s (unix pair)"
                   f"|{rate / base:.2f}|>= 0.5")
+    print(f"\n1-byte request/response: {a.runs} x {a.pings} round trips per row (time between requests, at the server)")
+    print(f"{'row':32} {'median us':>10} {'p10':>8} {'p90':>8} {'p99':>8}")
+    med = {}
+    for name, gaps in pings.items():
+        us = sorted(g * 1e6 for g in gaps)
+        q = lambda f: us[min(len(us) - 1, int(f * len(us)))]
+        med[name] = statistics.median(us)
+        print(f"{name:32} {med[name]:10.0f} {q(0.1):8.0f} {q(0.9):8.0f} {q(0.99):8.0f}")
+    ours, base = med["amvm egress"], med["unix socket pair (host)"]
+    print(f"ratio amvm egress / host pair {ours / base:5.2f}   / guest loopback {ours / med['loopback TCP inside the guest']:5.2f}")
+    print(f"SUMMARY|egress 1-byte request/response|{ours:.0f} us|{base:.0f} us (unix pair)|{ours / base:.2f}|")
     return 0
 
 
