@@ -7,6 +7,9 @@ use amvm_tests::egress_server::{hex, pattern, pattern_sha, EgressServer, Pace};
 use amvm_tests::run_vm;
 use sha2::{Digest, Sha256};
 
+/// Around every buffer and credit boundary of the path: a page, the guest driver's 32 KiB, one
+/// 64 KiB packet (and guest-init's relay buffer), our CREDIT_UPDATE threshold (half of the 256 KiB
+/// window), the window itself and twice it, and 1 MiB.
 const SIZES: &[usize] = &[
     1,
     4095,
@@ -18,9 +21,15 @@ const SIZES: &[usize] = &[
     65535,
     65536,
     65537,
+    131071,
+    131072,
+    131073,
     262143,
     262144,
     262145,
+    524287,
+    524288,
+    524289,
     1 << 20,
 ];
 
@@ -142,13 +151,20 @@ const GIB: usize = 1 << 30;
 /// past 1500 s, the guard before.
 const GIB_TIMEOUT: &str = "3000";
 
+// The two 1 GiB streams are the long tier (`tests/run --long`, each in an emulated host of its
+// own): in the emulated host they took 20-40 minutes, most of the default suite's time. What
+// they prove at every size below — each buffer and credit boundary, 64 MiB each way, a slow
+// reader, parallel streams, half-close — the default suite proves with the tests above and
+// below; these add the sustained GiB (16384 packets of 64 KiB, 4096 windows of our 256 KiB credit).
 #[test]
+#[ignore = "long tier: tests/run --long"]
 fn a_1_gib_download_arrives_byte_exact() {
     let server = EgressServer::start("gib-down", Pace::Fast);
     download(&server, &[GIB], NC, &["--timeout", GIB_TIMEOUT]);
 }
 
 #[test]
+#[ignore = "long tier: tests/run --long"]
 fn a_1_gib_upload_arrives_byte_exact() {
     // 64 MiB of random bytes sent 16 times; the guest hashes the whole GiB on its way out (a
     // fifo to sha256sum beside the relay client), the server hashes what it received.
