@@ -112,6 +112,7 @@ where
                     tokens: HashMap::new(),
                     next_token: FIRST_CONN_TOKEN,
                     rx_starved: false,
+                    passes: 0,
                 }
                 .run()
             })?;
@@ -215,6 +216,8 @@ struct Worker<B: Backend> {
     next_token: u64,
     /// The guest has given us no RX buffers: stop polling host streams for input until it does.
     rx_starved: bool,
+    /// Event-loop passes so far (each one an epoll wake-up): what shows a spinning worker.
+    passes: u64,
 }
 
 impl<B> Worker<B>
@@ -248,6 +251,7 @@ where
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
             };
+            self.passes += 1;
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_KILL => return Ok(()),
@@ -352,6 +356,18 @@ where
                 continue;
             }
             let Some((hdr, data)) = self.muxer.next_for_guest(room - HDR_LEN) else {
+                if room == HDR_LEN {
+                    // Room for a header and no payload: only header-only packets fit, and none
+                    // is pending. Hand the buffer back unused instead of waiting on it: host
+                    // bytes pending for a data packet would wake the worker at once, over and
+                    // over, so a guest posting such buffers could make it spin (Linux's driver
+                    // never does: it posts 4 KiB). The guest gets it back empty and we go on to
+                    // the next one.
+                    tracing::debug!("vsock: returned an RX buffer with no room for payload");
+                    let _ = self.rx.add_used(&self.mem, head, 0);
+                    used = true;
+                    continue;
+                }
                 self.rx.go_to_previous_position();
                 break;
             };
@@ -493,6 +509,13 @@ mod tests {
     }
 
     fn worker(counter: Arc<Counter>) -> Worker<NoPorts> {
+        worker_with(counter, NoPorts)
+    }
+
+    fn worker_with<B: Backend<Stream = UnixStream>>(
+        counter: Arc<Counter>,
+        backend: B,
+    ) -> Worker<B> {
         let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 1 << 20)]).unwrap();
         Worker {
             mem,
@@ -503,19 +526,20 @@ mod tests {
             evq_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             kill: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             interrupt: Arc::new(InterruptStatus::new(counter)),
-            muxer: Muxer::new(NoPorts, GUEST_CID, CONN_BUF_ALLOC),
+            muxer: Muxer::new(backend, GUEST_CID, CONN_BUF_ALLOC),
             epoll: Epoll::new().unwrap(),
             polled: HashMap::new(),
             tokens: HashMap::new(),
             next_token: FIRST_CONN_TOKEN,
             rx_starved: false,
+            passes: 0,
         }
     }
 
-    fn u16_at(w: &Worker<NoPorts>, addr: u64) -> u16 {
+    fn u16_at<B: Backend<Stream = UnixStream>>(w: &Worker<B>, addr: u64) -> u16 {
         w.mem.read_obj::<u16>(GuestAddress(addr)).unwrap()
     }
-    fn set_u16(w: &Worker<NoPorts>, addr: u64, v: u16) {
+    fn set_u16<B: Backend<Stream = UnixStream>>(w: &Worker<B>, addr: u64, v: u16) {
         w.mem.write_obj(v, GuestAddress(addr)).unwrap();
     }
     /// `avail.idx`, `used_event` (after the avail ring), `used.idx`, `avail_event`.
@@ -533,7 +557,13 @@ mod tests {
     }
 
     /// Descriptor `i` of the queue at `base`: one buffer of `len` bytes at its own page.
-    fn put_desc(w: &Worker<NoPorts>, base: u64, i: u16, len: u32, flags: u16) -> u64 {
+    fn put_desc<B: Backend<Stream = UnixStream>>(
+        w: &Worker<B>,
+        base: u64,
+        i: u16,
+        len: u32,
+        flags: u16,
+    ) -> u64 {
         let buf = base + BUFS + 0x1000 * u64::from(i);
         let d = base + DESC + 16 * u64::from(i);
         w.mem.write_obj(buf, GuestAddress(d)).unwrap();
@@ -544,13 +574,13 @@ mod tests {
     }
 
     /// Make descriptor `i` available at ring slot `slot` and publish `avail.idx = slot + 1`.
-    fn offer(w: &Worker<NoPorts>, base: u64, slot: u16, i: u16) {
+    fn offer<B: Backend<Stream = UnixStream>>(w: &Worker<B>, base: u64, slot: u16, i: u16) {
         set_u16(w, base + AVAIL + 4 + 2 * u64::from(slot % SIZE), i);
         set_u16(w, avail_idx(base), slot + 1);
     }
 
     /// A REQUEST from the guest to `port` in TX descriptor `i`, offered at ring slot `slot`.
-    fn send_request(w: &Worker<NoPorts>, slot: u16, i: u16, port: u32) {
+    fn send_request<B: Backend<Stream = UnixStream>>(w: &Worker<B>, slot: u16, i: u16, port: u32) {
         let hdr = super::super::packet::Header {
             src_cid: GUEST_CID,
             dst_cid: HOST_CID,
@@ -560,7 +590,7 @@ mod tests {
             type_: TYPE_STREAM,
             op: OP_REQUEST,
             flags: 0,
-            buf_alloc: 4096,
+            buf_alloc: 1 << 20,
             fwd_cnt: 0,
         };
         let buf = put_desc(w, TX_BASE, i, HDR_LEN as u32, 0);
@@ -643,5 +673,95 @@ mod tests {
         w.process_tx();
         assert_eq!(u16_at(&w, used_idx(TX_BASE)), 1);
         assert_eq!(counter.0.load(Ordering::SeqCst), 1);
+    }
+
+    /// Publishes port 1, whose host end is a stream the test holds the other end of.
+    struct OnePort(Option<UnixStream>);
+    impl Backend for OnePort {
+        type Stream = UnixStream;
+        fn connect(&mut self, port: u32) -> Option<io::Result<UnixStream>> {
+            (port == 1).then(|| self.0.take().ok_or_else(|| io::ErrorKind::AddrInUse.into()))
+        }
+    }
+
+    /// CPU time this thread has used.
+    fn thread_cpu() -> std::time::Duration {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec, which `ts` is, and reads nothing else.
+        let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+        assert_eq!(rc, 0, "clock_gettime");
+        std::time::Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+    }
+
+    #[test]
+    fn rx_buffers_too_small_for_pending_data_do_not_make_the_worker_spin() {
+        // Issue 26: host bytes pending, the guest posts 44-byte RX buffers (a header, no room
+        // for payload). The worker used to leave such a buffer in the ring and keep the host
+        // stream polled, so its pending bytes woke it at once, forever: a host CPU burnt.
+        let (host_end, mut far_end) = UnixStream::pair().unwrap();
+        host_end.set_nonblocking(true).unwrap();
+        let counter = Arc::new(Counter::default());
+        let mut w = worker_with(counter, OnePort(Some(host_end)));
+        send_request(&w, 0, 0, 1);
+        w.process_tx();
+        // The RESPONSE is header-only: a 44-byte buffer carries it.
+        put_desc(
+            &w,
+            RX_BASE,
+            0,
+            HDR_LEN as u32,
+            2, /* VRING_DESC_F_WRITE */
+        );
+        offer(&w, RX_BASE, 0, 0);
+        w.fill_rx();
+        assert_eq!(u16_at(&w, used_idx(RX_BASE)), 1);
+        let mut raw = [0u8; HDR_LEN];
+        w.mem
+            .read_slice(&mut raw, GuestAddress(RX_BASE + BUFS))
+            .unwrap();
+        assert_eq!(
+            super::super::packet::Header::from_bytes(&raw).op,
+            OP_RESPONSE
+        );
+        // Now host data is pending, and the ring holds only buffers that cannot carry any.
+        std::io::Write::write_all(&mut far_end, &[7u8; 1000]).unwrap();
+        for i in 1..SIZE {
+            put_desc(&w, RX_BASE, i, HDR_LEN as u32, 2);
+            offer(&w, RX_BASE, i, i);
+        }
+        // The driver kicks RX; the worker's own loop runs on a thread of its own for 500 ms.
+        w.rx_evt.write(1).unwrap();
+        let kill = w.kill.try_clone().unwrap();
+        let worker = std::thread::spawn(move || {
+            let t0 = thread_cpu();
+            w.run_inner().unwrap();
+            (thread_cpu() - t0, w)
+        });
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        kill.write(1).unwrap();
+        let (cpu, mut w) = worker.join().unwrap();
+        // Idle: two wake-ups, the kick and the kill. (Spinning, it woke about 92,000 times
+        // and used all of its CPU: the pass count holds even when the machine is loaded.)
+        assert!(
+            w.passes <= 3 && cpu < std::time::Duration::from_millis(100),
+            "the worker woke {} times and used {cpu:?} of CPU in 500 ms with nothing it could do",
+            w.passes
+        );
+        // The tiny buffers came back unused; the bytes wait, and go out in a real buffer.
+        assert_eq!(u16_at(&w, used_idx(RX_BASE)), SIZE);
+        assert!(w.rx_starved);
+        put_desc(&w, RX_BASE, 0, 4096, 2);
+        offer(&w, RX_BASE, SIZE, 0);
+        w.rx_starved = false;
+        w.fill_rx();
+        assert_eq!(u16_at(&w, used_idx(RX_BASE)), SIZE + 1);
+        w.mem
+            .read_slice(&mut raw, GuestAddress(RX_BASE + BUFS))
+            .unwrap();
+        let hdr = super::super::packet::Header::from_bytes(&raw);
+        assert_eq!((hdr.op, hdr.len), (OP_RW, 1000));
     }
 }
