@@ -234,6 +234,53 @@ fn a_non_root_member_of_the_kvm_group_runs_amvm() {
     }
 }
 
+/// Issue 26: a user with no set-up of their own (uid 65534, no home) finds what root's
+/// `images/setup` installed for every user (/usr/local/lib/amvm): no AMVM_KERNEL, no
+/// AMVM_VIRTIOFSD, no cache. Before, amvm looked only in the user's own cache and refused.
+#[test]
+fn a_user_without_a_set_up_of_their_own_uses_the_one_root_installed() {
+    require_kvm();
+    for piece in ["vmlinux", "virtiofsd"] {
+        let p = std::path::Path::new("/usr/local/lib/amvm").join(piece);
+        assert!(
+            p.exists(),
+            "{} missing: images/setup, run as root (tests/run does), installs it",
+            p.display()
+        );
+    }
+    let gid = std::fs::metadata("/dev/kvm").expect("/dev/kvm").gid();
+    let out = Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            &format!("--groups={gid}"),
+            "--inh-caps=-all",
+        ])
+        .arg(amvm_bin())
+        .args(run_args(
+            &[],
+            &["sh", "-c", "echo \"uid $(id -u)\"; uname -r"],
+        ))
+        .env_remove("AMVM_KERNEL")
+        .env_remove("AMVM_VIRTIOFSD")
+        .env_remove("AMVM_CACHE")
+        .env_remove("XDG_RUNTIME_DIR")
+        .env("HOME", "/nonexistent")
+        .stdin(Stdio::null())
+        .output()
+        .expect("setpriv (util-linux)");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(stdout.starts_with("uid 1000\n"), "{stdout}");
+    // The guest kernel, not the emulated host's own (Debian 6.1) nor this machine's.
+    assert!(stdout.contains("\n6.12."), "{stdout}");
+}
+
 /// The test-only hook `AMVM_TEST_SECCOMP_TRIP=KIND` makes the first thread of KIND call
 /// ptrace(2) right after filtering itself: amvm must die at once with exit 125, naming the
 /// thread kind and the call, and leave nothing behind.

@@ -35,7 +35,7 @@ pub enum ConfigError {
     Timeout,
     #[error("the command and its environment take {0} bytes, more than the {max} allowed", max = guest_init::protocol::MAX_SPEC_LEN)]
     SpecTooLarge(usize),
-    #[error("no default kernel: set AMVM_KERNEL, AMVM_CACHE or HOME, or pass --kernel")]
+    #[error("no default kernel: run images/setup (as root it installs one for every user in /usr/local/lib/amvm), set AMVM_KERNEL, AMVM_CACHE or HOME, or pass --kernel")]
     NoDefaultKernel,
     #[error("--workspace {0}: {1}")]
     Workspace(PathBuf, String),
@@ -67,15 +67,35 @@ pub struct RunConfig {
     pub egress_log: Option<PathBuf>,
 }
 
+/// Where `images/setup`, run as root, also installs the guest kernel and virtiofsd, for every
+/// user (root's own cache is out of other users' reach).
+pub const SYSTEM_DIR: &str = "/usr/local/lib/amvm";
+
+/// A piece `images/setup` installs: `cache/in_cache` when it exists (this user's own set-up),
+/// else `SYSTEM_DIR/name` when that exists (root's, for every user), else `cache/in_cache`
+/// (whose absence the caller reports, saying both places). `None` without a cache or a system
+/// copy.
+pub fn installed(cache: Option<&Path>, in_cache: &str, name: &str) -> Option<PathBuf> {
+    let own = cache.map(|c| c.join(in_cache));
+    if let Some(own) = own.as_ref().filter(|p| p.exists()) {
+        return Some(own.clone());
+    }
+    let system = Path::new(SYSTEM_DIR).join(name);
+    if system.exists() {
+        return Some(system);
+    }
+    own
+}
+
 /// The kernel `images/build-kernel` builds: `$AMVM_KERNEL`, else the `vmlinux` link in the
-/// cache (`$AMVM_CACHE`, default `~/.cache/amvm`).
+/// cache (`$AMVM_CACHE`, default `~/.cache/amvm`), else root's copy for every user in
+/// [`SYSTEM_DIR`].
 pub fn default_kernel() -> Result<PathBuf, ConfigError> {
     if let Some(k) = std::env::var_os("AMVM_KERNEL") {
         return Ok(PathBuf::from(k));
     }
-    Ok(cache_dir()
-        .ok_or(ConfigError::NoDefaultKernel)?
-        .join("kernel/vmlinux"))
+    installed(cache_dir().as_deref(), "kernel/vmlinux", "vmlinux")
+        .ok_or(ConfigError::NoDefaultKernel)
 }
 
 /// Guest RAM on huge pages, from `--huge-pages` / `--no-huge-pages` (at most one: clap says so)

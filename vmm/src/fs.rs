@@ -29,7 +29,7 @@ const STDERR_KEEP: usize = 8192;
 
 #[derive(Debug, thiserror::Error)]
 pub enum FsError {
-    #[error("virtiofsd not found at {0} (run images/setup, or set AMVM_VIRTIOFSD)")]
+    #[error("virtiofsd not found at {0} nor in /usr/local/lib/amvm (run images/setup: as root it installs it there for every user; or set AMVM_VIRTIOFSD)")]
     NotFound(PathBuf),
     #[error("{bin} is {found:?}, not the virtiofsd {VIRTIOFSD_VERSION} amvm was built and tested with (run images/setup, or point AMVM_VIRTIOFSD at that version)")]
     Version { bin: PathBuf, found: String },
@@ -58,10 +58,12 @@ fn stderr_note(stderr: &str) -> String {
     }
 }
 
-/// The virtiofsd binary: `$AMVM_VIRTIOFSD`, else the one images/setup installs in the cache.
+/// The virtiofsd binary: `$AMVM_VIRTIOFSD`, else the one images/setup installs in the cache,
+/// else root's copy for every user in [`crate::config::SYSTEM_DIR`].
 pub fn virtiofsd_path(cache: &Path) -> PathBuf {
     std::env::var_os("AMVM_VIRTIOFSD")
         .map(PathBuf::from)
+        .or_else(|| crate::config::installed(Some(cache), "virtiofsd/bin/virtiofsd", "virtiofsd"))
         .unwrap_or_else(|| cache.join("virtiofsd/bin/virtiofsd"))
 }
 

@@ -21,7 +21,7 @@ const E820_RAM: u32 = 1;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
-    #[error("kernel {0}: {1} (build one with images/build-kernel, or pass --kernel)")]
+    #[error("kernel {0}: {1} (run images/setup: as root it installs one for every user in /usr/local/lib/amvm; or pass --kernel)")]
     KernelOpen(PathBuf, std::io::Error),
     #[error("kernel {0} is not a loadable x86_64 ELF vmlinux: {1}")]
     KernelLoad(PathBuf, linux_loader::loader::Error),
