@@ -72,14 +72,20 @@ pub enum RunError {
     },
 }
 
+/// The console's last 20 non-empty lines for an error report; when the kernel panicked, its
+/// panic line is always among them (the call trace after it can be longer than 20 lines).
 fn console_note(console: &str) -> String {
     let lines: Vec<&str> = console.lines().filter(|l| !l.trim().is_empty()).collect();
     if lines.is_empty() {
-        " (no console output; run with --console to see the guest's kernel log)".into()
-    } else {
-        let last = &lines[lines.len().saturating_sub(20)..];
-        format!("; the guest console's last lines:\n{}", last.join("\n"))
+        return " (no console output; run with --console to see the guest's kernel log)".into();
     }
+    let mut shown: Vec<&str> = lines[lines.len().saturating_sub(20)..].to_vec();
+    if let Some(panic) = lines.iter().find(|l| l.contains(crate::output::PANIC_MARK)) {
+        if !shown.contains(panic) {
+            shown.splice(0..2.min(shown.len()), [*panic, "..."]);
+        }
+    }
+    format!("; the guest console's last lines:\n{}", shown.join("\n"))
 }
 
 impl RunError {
@@ -363,7 +369,7 @@ impl Timeline {
 /// (`reboot=k`; the kernel's triple-fault fallback may follow it, which is not a crash), or a
 /// vCPU stop with nothing before it.
 fn how_it_stopped(reset: bool, stop: Option<&VcpuStop>, console: &str) -> String {
-    if console.contains("Kernel panic - not syncing") {
+    if console.contains(crate::output::PANIC_MARK) {
         return "its kernel panicked".into();
     }
     match (reset, stop) {
@@ -532,5 +538,26 @@ mod tests {
             "its kernel panicked"
         );
         assert_eq!(how_it_stopped(false, None, ""), "stopped");
+    }
+
+    #[test]
+    fn the_report_shows_the_panic_line_before_a_long_trace() {
+        let mut console = String::from("boot\nKernel panic - not syncing: sysrq triggered crash\n");
+        for i in 0..30 {
+            console.push_str(&format!(" frame_{i}\n"));
+        }
+        let note = console_note(&console);
+        let lines: Vec<&str> = note.lines().collect();
+        assert_eq!(lines[0], "; the guest console's last lines:");
+        assert_eq!(
+            lines[1],
+            "Kernel panic - not syncing: sysrq triggered crash"
+        );
+        assert_eq!(lines[2], "...");
+        assert_eq!(lines.len(), 21, "{note}");
+        assert_eq!(lines[20], " frame_29");
+        // A short console is shown whole, the panic line once.
+        let note = console_note("a\nKernel panic - not syncing: x\nb\n");
+        assert_eq!(note.matches("Kernel panic").count(), 1, "{note}");
     }
 }

@@ -76,22 +76,46 @@ impl<O: Write, E: Write> Write for ChannelSink<O, E> {
 #[derive(Debug, Clone)]
 pub struct ConsoleSink {
     echo: bool,
-    tail: Arc<Mutex<VecDeque<u8>>>,
+    kept: Arc<Mutex<Kept>>,
 }
+
+/// What the console keeps for an error report: its last bytes, and the kernel's panic line even
+/// when a long call trace after it (or a warning's) pushed it out of those.
+#[derive(Debug, Default)]
+struct Kept {
+    tail: VecDeque<u8>,
+    /// The line being written, up to [`MAX_LINE`] bytes (the rest of a longer line is dropped).
+    line: Vec<u8>,
+    /// The first line that said [`PANIC_MARK`].
+    panic: Option<String>,
+}
+
+/// What Linux prints first when it panics, even with `quiet`.
+pub const PANIC_MARK: &str = "Kernel panic - not syncing";
+/// Longest console line looked at for [`PANIC_MARK`].
+const MAX_LINE: usize = 1024;
 
 impl ConsoleSink {
     pub fn new(echo: bool) -> Self {
         ConsoleSink {
             echo,
-            tail: Arc::new(Mutex::new(VecDeque::with_capacity(CONSOLE_TAIL_BYTES))),
+            kept: Arc::new(Mutex::new(Kept {
+                tail: VecDeque::with_capacity(CONSOLE_TAIL_BYTES),
+                ..Kept::default()
+            })),
         }
     }
 
-    /// The last lines the guest kernel printed (at most a few KiB).
+    /// The last lines the guest kernel printed (at most a few KiB); when the kernel panicked
+    /// and its panic line is no longer among them, that line first, then `...`.
     pub fn tail(&self) -> String {
-        let t = lock(&self.tail);
-        let bytes: Vec<u8> = t.iter().copied().collect();
-        String::from_utf8_lossy(&bytes).replace('\r', "")
+        let k = lock(&self.kept);
+        let bytes: Vec<u8> = k.tail.iter().copied().collect();
+        let tail = String::from_utf8_lossy(&bytes).replace('\r', "");
+        match &k.panic {
+            Some(p) if !tail.contains(p.as_str()) => format!("{p}\n...\n{tail}"),
+            _ => tail,
+        }
     }
 }
 
@@ -100,12 +124,25 @@ impl Write for ConsoleSink {
         if self.echo {
             let _ = io::stderr().write_all(buf);
         }
-        let mut t = lock(&self.tail);
+        let mut k = lock(&self.kept);
         for &b in buf {
-            if t.len() == CONSOLE_TAIL_BYTES {
-                t.pop_front();
+            if k.tail.len() == CONSOLE_TAIL_BYTES {
+                k.tail.pop_front();
             }
-            t.push_back(b);
+            k.tail.push_back(b);
+            match b {
+                b'\n' => {
+                    if k.panic.is_none() {
+                        let line = String::from_utf8_lossy(&k.line).replace('\r', "");
+                        if line.contains(PANIC_MARK) {
+                            k.panic = Some(line);
+                        }
+                    }
+                    k.line.clear();
+                }
+                _ if k.line.len() < MAX_LINE => k.line.push(b),
+                _ => {}
+            }
         }
         Ok(buf.len())
     }
@@ -165,5 +202,33 @@ mod tests {
         let t = c.tail();
         assert_eq!(t.len(), CONSOLE_TAIL_BYTES - 1);
         assert!(t.ends_with("a\nlast line"));
+    }
+
+    #[test]
+    fn console_keeps_the_panic_line_however_long_the_trace_after_it() {
+        let mut c = ConsoleSink::new(false);
+        c.write_all(b"[    1.0] WARNING: something\r\n").unwrap();
+        c.write_all(b"[    2.0] Kernel panic - not syncing: sysrq triggered crash\r\n")
+            .unwrap();
+        // A call trace many times the kept tail, written in odd pieces.
+        for i in 0..400 {
+            c.write_all(format!("[    2.1]  frame_{i:04}+0x1c/0x30\r").as_bytes())
+                .unwrap();
+            c.write_all(b"\n").unwrap();
+        }
+        let t = c.tail();
+        assert!(
+            t.starts_with("[    2.0] Kernel panic - not syncing: sysrq triggered crash\n...\n"),
+            "{t}"
+        );
+        assert!(t.ends_with("frame_0399+0x1c/0x30\n"), "{t}");
+        // While the panic line is still in the tail, it is not repeated.
+        let mut c = ConsoleSink::new(false);
+        c.write_all(b"x\nKernel panic - not syncing: Attempted to kill init!\nend\n")
+            .unwrap();
+        assert_eq!(
+            c.tail(),
+            "x\nKernel panic - not syncing: Attempted to kill init!\nend\n"
+        );
     }
 }
