@@ -4,9 +4,11 @@
 //! group will do); a forbidden system call on any kind of thread kills amvm with a report
 //! naming the call.
 
+use amvm_tests::egress_server::{EgressServer, Pace};
 use amvm_tests::{amvm_bin, leftovers, require_kvm, run_args, run_vm_leaving_nothing_env};
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
 
 /// What the test saw of a running amvm process.
@@ -15,6 +17,10 @@ struct Seen {
     net_ns: String,
     mnt_ns: String,
     interfaces: Vec<String>,
+    /// What amvm's root directory holds (/proc/PID/root), sorted.
+    root: Vec<String>,
+    /// The mount points amvm's mount namespace holds (/proc/PID/mountinfo).
+    mounts: Vec<String>,
 }
 
 fn ns(pid: &str, kind: &str) -> String {
@@ -55,9 +61,33 @@ fn inspect_running_vm(wrap: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Se
         extra.len() + wrap.len()
     ));
     std::fs::create_dir_all(&ws).unwrap();
-    let mut opts = vec!["-i", "--workspace", ws.to_str().unwrap()];
+    // An egress every user may reach (the non-root runs too): its socket is the one thing amvm's
+    // empty root holds.
+    let egress = EgressServer::start(
+        &format!("hardening-{}", extra.len() + wrap.len()),
+        Pace::Fast,
+    );
+    std::fs::set_permissions(&egress.dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&egress.path, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let mut opts = vec![
+        "-i",
+        "--workspace",
+        ws.to_str().unwrap(),
+        "--egress",
+        egress.path_str(),
+    ];
     opts.extend_from_slice(extra);
-    let args = run_args(&opts, &["sh", "-c", "echo ready; read x; echo got $x"]);
+    // One egress stream first (5 bytes back), made after amvm moved into its empty root.
+    let fetch = "import os, socket\n\
+        s = socket.socket(socket.AF_UNIX)\n\
+        s.connect(os.environ['AMVM_EGRESS_SOCK'])\n\
+        s.sendall(b'DOWN 5\\n')\n\
+        s.shutdown(socket.SHUT_WR)\n\
+        got = b''\n\
+        while b := s.recv(64): got += b\n\
+        print('egress', len(got))\n";
+    let script = format!("python3 -c \"{fetch}\" && echo ready; read x; echo got $x");
+    let args = run_args(&opts, &["sh", "-c", &script]);
     let bin = amvm_bin();
     let mut cmd = match wrap.split_first() {
         Some((first, rest)) => {
@@ -80,6 +110,10 @@ fn inspect_running_vm(wrap: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Se
     let mut stdout = BufReader::new(child.stdout.take().unwrap());
     let mut line = String::new();
     stdout.read_line(&mut line).unwrap();
+    if line == "egress 5\n" {
+        line.clear();
+        stdout.read_line(&mut line).unwrap();
+    }
     if line != "ready\n" {
         let out = child.wait_with_output().unwrap();
         panic!(
@@ -98,6 +132,19 @@ fn inspect_running_vm(wrap: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Se
             .skip(2)
             .filter_map(|l| l.split(':').next())
             .map(|n| n.trim().to_string())
+            .collect(),
+        root: {
+            let mut names: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/root"))
+                .unwrap_or_else(|e| panic!("/proc/{pid}/root: {e}"))
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            names.sort();
+            names
+        },
+        mounts: std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+            .unwrap()
+            .lines()
+            .map(|l| l.split(' ').nth(4).unwrap_or_default().to_string())
             .collect(),
     };
     let mut stdin = child.stdin.take().unwrap();
@@ -163,6 +210,10 @@ fn assert_confined(seen: &Seen) {
         "amvm shares our mount namespace"
     );
     assert_eq!(seen.interfaces, ["lo"], "amvm's network namespace");
+    // Issue 26: the host's tree is gone from amvm's mount namespace; its root holds only the
+    // egress socket.
+    assert_eq!(seen.root, ["egress.sock"], "amvm's root directory");
+    assert_eq!(seen.mounts, ["/", "/egress.sock"], "amvm's mounts");
 }
 
 #[test]

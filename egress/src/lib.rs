@@ -116,6 +116,12 @@ impl Egress {
         })
     }
 
+    /// From now on reach the socket [`Egress::new`] checked through `path` (the same socket, as
+    /// a process that moved into another root sees it).
+    pub fn connect_through(&mut self, path: &Path) {
+        self.socket = path.to_owned();
+    }
+
     /// A new stream: a non-blocking connection to the egress socket, and its bookkeeping.
     pub fn connect(&mut self) -> io::Result<(EgressStream, UnixStream)> {
         let s = UnixStream::connect(&self.socket)?;

@@ -20,6 +20,7 @@ use amvm_devices::virtio::{MmioError, MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY};
 use amvm_devices::vsock::device::VsockDevice;
 use amvm_egress::Egress;
 use std::io;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -123,8 +124,14 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     t.mark("seccomp filters compiled");
 
     // Host-side inputs first (cheap, and the user's to fix), then KVM.
+    // The guest connects only once amvm is in its empty root (jail.rs), where the socket
+    // amvm checks here is bound in at EGRESS_IN_ROOT.
     let egress = match &cfg.egress {
-        Some(sock) => Some(Egress::new(sock, cfg.egress_log.as_deref())?),
+        Some(sock) => {
+            let mut e = Egress::new(sock, cfg.egress_log.as_deref())?;
+            e.connect_through(Path::new(crate::jail::EGRESS_IN_ROOT));
+            Some(e)
+        }
         None => None,
     };
     let kvm = Kvm::open()?;
@@ -153,11 +160,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
         backends.push(backend);
         fs_streams.push((tag, stream));
     }
-    // virtiofsd has what it needs (as root, its sandbox's capabilities come from ours: with
-    // no_new_privs an exec cannot gain any), so amvm drops all of its own now; every thread
-    // does the same as it filters itself (seccomp.rs).
-    crate::jail::drop_capabilities()?;
-    t.mark("virtiofsd started, capabilities dropped");
+    t.mark("virtiofsd started");
 
     // The irqchip is created with the VM, before any vCPU (KVM requires that order).
     let vm = Vm::new(&kvm, &mem)?;
@@ -236,6 +239,14 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
         )?);
     }
     t.mark("virtio-fs handshakes done");
+    // Nothing needs the host's tree any more: the kernel is loaded, /dev/kvm is open, and each
+    // virtiofsd answered its handshake, so it is in a mount namespace of its own. amvm moves
+    // into an empty root (jail.rs), then drops its capabilities (as root, virtiofsd's sandbox
+    // took what it needed from ours at exec: with no_new_privs an exec cannot gain any). The
+    // threads started above dropped their own as they filtered themselves (seccomp.rs).
+    crate::jail::enter_empty_root(cfg.egress.as_deref())?;
+    crate::jail::drop_capabilities()?;
+    t.mark("in the empty root, capabilities dropped");
     let cmdline = boot::cmdline(cfg.console, &virtio_entries)?;
     boot::configure_pvh(
         &mem,

@@ -5,8 +5,22 @@
 //!
 //! Egress still works: streams go to a unix socket *path*, which the filesystem resolves
 //! whatever the network namespace. virtiofsd, started later, inherits both namespaces.
+//!
+//! Once everything it needs from the host's tree is open (the kernel read, /dev/kvm open,
+//! virtiofsd in a sandbox of its own), amvm leaves that tree: [`enter_empty_root`] pivots it
+//! into a read-only tmpfs that holds nothing but, with `--egress`, the egress socket (bound in
+//! as [`EGRESS_IN_ROOT`]), and detaches the host's tree from its mount namespace. A thread that
+//! escaped its seccomp filter finds an empty root; the one connect(2) the event loop may make
+//! reaches only the egress socket (abstract sockets belong to the network namespace, and amvm's
+//! is empty).
 
+use std::ffi::CStr;
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::Path;
+
+/// Where the egress socket is once amvm is in its empty root ([`enter_empty_root`]).
+pub const EGRESS_IN_ROOT: &str = "/egress.sock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
@@ -28,6 +42,157 @@ pub enum JailError {
     NoNewPrivs(io::Error),
     #[error("dropping amvm's capabilities: {0}")]
     DropCaps(io::Error),
+    #[error("moving amvm into its empty root: {step}: {source}")]
+    EmptyRoot {
+        step: &'static str,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// A descriptor the kernel just returned (`r >= 0`), or the error it set.
+fn owned(r: libc::c_long) -> io::Result<OwnedFd> {
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `r` is a descriptor the kernel just returned to us and nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(r as libc::c_int) })
+}
+
+fn check(r: libc::c_long) -> io::Result<()> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// A new tmpfs instance with `options` (fsconfig key/value strings), mounted nowhere: the
+/// mount API (fsopen, fsconfig, fsmount, Linux 5.2) returns it as a descriptor of its root.
+/// Needs CAP_SYS_ADMIN in the user namespace that owns amvm's mount namespace.
+pub fn detached_tmpfs(options: &[(&CStr, &CStr)]) -> io::Result<OwnedFd> {
+    const FSOPEN_CLOEXEC: libc::c_uint = 1;
+    const FSCONFIG_SET_STRING: libc::c_uint = 1;
+    const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+    const FSMOUNT_CLOEXEC: libc::c_uint = 1;
+    // SAFETY: fsopen(2) with a NUL-terminated literal; the result is checked.
+    let fs = owned(unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), FSOPEN_CLOEXEC) })?;
+    let config = |cmd: libc::c_uint, key: *const libc::c_char, value: *const libc::c_char| {
+        // SAFETY: fsconfig(2) on our fs context with NUL-terminated strings (or null where the
+        // command takes none); the result is checked.
+        check(unsafe { libc::syscall(libc::SYS_fsconfig, fs.as_raw_fd(), cmd, key, value, 0) })
+    };
+    for (key, value) in options {
+        config(FSCONFIG_SET_STRING, key.as_ptr(), value.as_ptr())?;
+    }
+    config(FSCONFIG_CMD_CREATE, std::ptr::null(), std::ptr::null())?;
+    // SAFETY: fsmount(2) of our configured context; the result is checked.
+    owned(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, 0) })
+}
+
+/// Leave the host's tree for good: pivot into a new, read-only tmpfs root that holds only the
+/// egress socket (`egress`, as the user named it, bound in at [`EGRESS_IN_ROOT`]), and detach
+/// the old root from amvm's mount namespace. Call once nothing needs a path any more: the
+/// kernel loaded, every virtiofsd past its handshake (so in a mount namespace of its own; a
+/// process still in ours would be moved too), and before capabilities are dropped (mounting
+/// needs CAP_SYS_ADMIN, in amvm's user namespace for a non-root user). Threads that exist
+/// already move with this one (they share its root).
+///
+/// The socket is bound by inode: streams reach the socket amvm checked at start. An egress
+/// proxy that re-creates its socket while a run lasts is not reached by later streams (each
+/// fails, and the guest sees a reset).
+pub fn enter_empty_root(egress: Option<&Path>) -> Result<(), JailError> {
+    use std::os::unix::ffi::OsStrExt;
+    let step = |step: &'static str| move |source| JailError::EmptyRoot { step, source };
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+    // The socket first, while its path still means what the user meant: a bind mount of it,
+    // not yet attached anywhere (open_tree follows symlinks in the path, as connect(2) does).
+    let socket = match egress {
+        Some(path) => {
+            let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+                step("the egress socket's path")(io::ErrorKind::InvalidInput.into())
+            })?;
+            let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
+            // SAFETY: open_tree(2) with a NUL-terminated path; the result is checked.
+            let r =
+                unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, c.as_ptr(), flags) };
+            Some(owned(r).map_err(step("binding the egress socket"))?)
+        }
+        None => None,
+    };
+    let root = detached_tmpfs(&[(c"mode", c"0500"), (c"size", c"4k"), (c"nr_inodes", c"4")])
+        .map_err(step("a tmpfs for the new root"))?;
+    // pivot_root(2) wants the new root attached in our tree: over /dev, which amvm no longer
+    // needs (/dev/kvm is open) and which exists wherever /dev/kvm does. Only amvm's own,
+    // private mount namespace sees this.
+    // SAFETY: move_mount(2) of our detached mount onto a literal path; the result is checked.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            root.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_FDCWD,
+            c"/dev".as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    })
+    .map_err(step("attaching the new root"))?;
+    if let Some(socket) = socket {
+        let name = &EGRESS_IN_ROOT[1..];
+        let name = std::ffi::CString::new(name).expect("a literal without NUL");
+        let flags = libc::O_CREAT | libc::O_EXCL | libc::O_RDONLY | libc::O_CLOEXEC;
+        // SAFETY: openat(2) relative to the new root with a NUL-terminated name; checked.
+        let point =
+            owned(unsafe { libc::openat(root.as_raw_fd(), name.as_ptr(), flags, 0o600) }.into())
+                .map_err(step("a mount point for the egress socket"))?;
+        drop(point);
+        // SAFETY: move_mount(2) of the socket's detached bind mount onto the file just made,
+        // named relative to the new root; the result is checked.
+        check(unsafe {
+            libc::syscall(
+                libc::SYS_move_mount,
+                socket.as_raw_fd(),
+                c"".as_ptr(),
+                root.as_raw_fd(),
+                name.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH,
+            )
+        })
+        .map_err(step("attaching the egress socket"))?;
+    }
+    let flags = libc::O_DIRECTORY | libc::O_PATH | libc::O_CLOEXEC;
+    // SAFETY: open(2) of a literal path; the result is checked.
+    let old = owned(unsafe { libc::open(c"/".as_ptr(), flags) }.into());
+    let old = old.map_err(step("the old root"))?;
+    // The pivot_root(".", ".") idiom: the new root becomes "/", the old one is stacked on it
+    // and then detached from where we stand.
+    // SAFETY: fchdir(2) to a descriptor we own; checked.
+    let r = unsafe { libc::fchdir(root.as_raw_fd()) };
+    check(r.into()).map_err(step("entering the new root"))?;
+    // SAFETY: pivot_root(2) with two literal paths; checked.
+    let r = unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) };
+    check(r).map_err(step("pivot_root"))?;
+    // SAFETY: fchdir(2) to a descriptor we own; checked.
+    let r = unsafe { libc::fchdir(old.as_raw_fd()) };
+    check(r.into()).map_err(step("entering the old root"))?;
+    // SAFETY: umount2(2) of a literal path; checked.
+    let r = unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) };
+    check(r.into()).map_err(step("detaching the host's tree"))?;
+    // SAFETY: chdir(2) to a literal path; checked.
+    let r = unsafe { libc::chdir(c"/".as_ptr()) };
+    check(r.into()).map_err(step("entering /"))?;
+    let ro = libc::MS_REMOUNT
+        | libc::MS_BIND
+        | libc::MS_RDONLY
+        | libc::MS_NOSUID
+        | libc::MS_NODEV
+        | libc::MS_NOEXEC;
+    let none = std::ptr::null();
+    // SAFETY: mount(2) remounting "/" with flags only (no source, type or data).
+    let r = unsafe { libc::mount(none, c"/".as_ptr(), none, ro, std::ptr::null()) };
+    check(r.into()).map_err(step("making the new root read-only"))?;
+    Ok(())
 }
 
 /// Close every descriptor above stderr. amvm opens nothing before this and expects nothing

@@ -20,7 +20,7 @@
 use crate::arch::x86_64::layout;
 use std::fs::File;
 use std::io;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::FromRawFd;
 use std::sync::Arc;
 use vm_memory::{FileOffset, GuestAddress, GuestMemoryMmap};
 
@@ -95,57 +95,21 @@ fn new_memfd() -> io::Result<File> {
 /// that owns amvm's mount namespace (jail.rs makes one for a non-root user).
 fn huge_tmpfs_file() -> io::Result<File> {
     use std::os::fd::AsRawFd;
-    const FSOPEN_CLOEXEC: libc::c_uint = 1;
-    const FSCONFIG_SET_STRING: libc::c_uint = 1;
-    const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
-    const FSMOUNT_CLOEXEC: libc::c_uint = 1;
-    let owned = |r: libc::c_long| -> io::Result<OwnedFd> {
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `r` is a descriptor the kernel just returned to us and nothing else owns.
-        Ok(unsafe { OwnedFd::from_raw_fd(r as libc::c_int) })
-    };
-    // SAFETY: fsopen(2) with a NUL-terminated literal; the result is checked.
-    let fs = owned(unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), FSOPEN_CLOEXEC) })?;
-    let config =
-        |cmd: libc::c_uint, key: Option<&std::ffi::CStr>, value: Option<&std::ffi::CStr>| {
-            let ptr = |c: Option<&std::ffi::CStr>| c.map_or(std::ptr::null(), |c| c.as_ptr());
-            // SAFETY: fsconfig(2) on our fs context with NUL-terminated strings (or null where the
-            // command takes none); the result is checked.
-            let r = unsafe {
-                libc::syscall(
-                    libc::SYS_fsconfig,
-                    fs.as_raw_fd(),
-                    cmd,
-                    ptr(key),
-                    ptr(value),
-                    0,
-                )
-            };
-            if r < 0 {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(())
-            }
-        };
-    for (key, value) in [
+    let mnt = crate::jail::detached_tmpfs(&[
         (c"huge", c"within_size"),
         (c"size", c"0"),
         (c"mode", c"0700"),
-    ] {
-        config(FSCONFIG_SET_STRING, Some(key), Some(value))?;
-    }
-    config(FSCONFIG_CMD_CREATE, None, None)?;
-    // SAFETY: fsmount(2) of our configured context; the result is checked.
-    let mnt =
-        owned(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, 0) })?;
+    ])?;
     let flags = libc::O_TMPFILE | libc::O_RDWR | libc::O_CLOEXEC;
     // SAFETY: openat(2) relative to our mount's root with a NUL-terminated literal; checked.
     let raw = unsafe { libc::openat(mnt.as_raw_fd(), c".".as_ptr(), flags, 0o600) };
-    let file = owned(raw.into())?;
-    // The file keeps its tmpfs alive; the two setup descriptors close here.
-    Ok(File::from(file))
+    if raw < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `raw` is a descriptor the kernel just returned to us and nothing else owns.
+    let file = unsafe { File::from_raw_fd(raw) };
+    // The file keeps its tmpfs alive; the mount's descriptor closes here.
+    Ok(file)
 }
 
 #[cfg(test)]
