@@ -31,6 +31,10 @@ pub enum Command {
     /// (images/harness/build).
     #[command(subcommand)]
     Image(ImageCommand),
+    /// Check that this host can run a sandbox (KVM, its kind and access, the kernel,
+    /// virtiofsd, namespaces, cgroup v2), booting one small VM; print what to fix. Exit 0 only
+    /// when that VM ran, 1 when a check failed.
+    Doctor,
 }
 
 #[derive(Debug, clap::Subcommand)]

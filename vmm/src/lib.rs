@@ -10,6 +10,7 @@ pub mod builder;
 pub mod cli;
 pub mod config;
 pub mod control;
+pub mod doctor;
 pub mod fs;
 pub mod image;
 pub mod jail;

@@ -33,6 +33,14 @@ fn main() -> ExitCode {
     let args = match cli.command {
         Command::Run(args) => *args,
         Command::Image(cmd) => return image(cmd),
+        Command::Doctor => {
+            let ok = amvm::doctor::run(&mut std::io::stdout().lock());
+            return if ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            };
+        }
     };
     let timeline = builder::Timeline::start();
     let code = match args

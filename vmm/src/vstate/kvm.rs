@@ -49,10 +49,7 @@ pub struct Kvm {
 impl Kvm {
     /// Open the KVM device (`AMVM_KVM_DEVICE` or /dev/kvm) and check it can run our guest.
     pub fn open() -> Result<Self, KvmError> {
-        let path = std::env::var_os("AMVM_KVM_DEVICE")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| PathBuf::from(DEFAULT_KVM_DEVICE));
-        Self::open_path(&path)
+        Self::open_path(&device_path())
     }
 
     pub fn open_path(path: &Path) -> Result<Self, KvmError> {
@@ -112,24 +109,52 @@ impl Kvm {
     }
 }
 
-/// A KVM we can use needs VT-x or AMD-V under it. PVM exposes /dev/kvm without either.
-fn check_hardware_virtualization(path: &Path) -> Result<(), KvmError> {
+/// The KVM device amvm opens: `AMVM_KVM_DEVICE`, else /dev/kvm.
+pub fn device_path() -> PathBuf {
+    std::env::var_os("AMVM_KVM_DEVICE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(DEFAULT_KVM_DEVICE))
+}
+
+/// What this host's KVM runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Virtualization {
+    /// VT-x (`vmx`) or AMD-V (`svm`).
+    Hardware(&'static str),
+    /// PVM's module is loaded: a software-only KVM.
+    Pvm,
+    /// Neither flag.
+    None,
+}
+
+/// PVM's module, else the CPU flag /proc/cpuinfo shows.
+pub fn virtualization() -> Virtualization {
     if Path::new("/sys/module/kvm_pvm").exists() {
-        return Err(KvmError::Pvm(path.to_owned()));
+        return Virtualization::Pvm;
     }
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    if cpuinfo_has_hw_virt(&cpuinfo) {
-        Ok(())
-    } else {
-        Err(KvmError::NoHardwareVirt(path.to_owned()))
+    cpuinfo_hw_virt(&cpuinfo).map_or(Virtualization::None, Virtualization::Hardware)
+}
+
+/// A KVM we can use needs VT-x or AMD-V under it. PVM exposes /dev/kvm without either.
+fn check_hardware_virtualization(path: &Path) -> Result<(), KvmError> {
+    match virtualization() {
+        Virtualization::Hardware(_) => Ok(()),
+        Virtualization::Pvm => Err(KvmError::Pvm(path.to_owned())),
+        Virtualization::None => Err(KvmError::NoHardwareVirt(path.to_owned())),
     }
 }
 
-fn cpuinfo_has_hw_virt(cpuinfo: &str) -> bool {
+fn cpuinfo_hw_virt(cpuinfo: &str) -> Option<&'static str> {
     cpuinfo
         .lines()
         .filter(|l| l.starts_with("flags"))
-        .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"))
+        .flat_map(str::split_whitespace)
+        .find_map(|f| match f {
+            "vmx" => Some("vmx"),
+            "svm" => Some("svm"),
+            _ => None,
+        })
 }
 
 #[cfg(test)]
@@ -138,14 +163,16 @@ mod tests {
 
     #[test]
     fn hw_virt_flag_detection() {
-        assert!(cpuinfo_has_hw_virt(
-            "processor\t: 0\nflags\t\t: fpu vme svm lm\n"
-        ));
-        assert!(cpuinfo_has_hw_virt("flags\t\t: fpu vmx\n"));
-        assert!(!cpuinfo_has_hw_virt("flags\t\t: fpu vme svm_lock lm\n"));
-        assert!(!cpuinfo_has_hw_virt(
-            "model name\t: vmx svm\nflags\t\t: fpu\n"
-        ));
+        assert_eq!(
+            cpuinfo_hw_virt("processor\t: 0\nflags\t\t: fpu vme svm lm\n"),
+            Some("svm")
+        );
+        assert_eq!(cpuinfo_hw_virt("flags\t\t: fpu vmx\n"), Some("vmx"));
+        assert_eq!(cpuinfo_hw_virt("flags\t\t: fpu vme svm_lock lm\n"), None);
+        assert_eq!(
+            cpuinfo_hw_virt("model name\t: vmx svm\nflags\t\t: fpu\n"),
+            None
+        );
     }
 
     #[test]
