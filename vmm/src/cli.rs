@@ -35,6 +35,28 @@ pub enum Command {
     /// virtiofsd, namespaces, cgroup v2), booting one small VM; print what to fix. Exit 0 only
     /// when that VM ran, 1 when a check failed.
     Doctor,
+    /// Apply CHANGES (a tar in OCI layer form: whiteouts delete, opaque markers empty a
+    /// directory) to DIR, refusing whatever could reach outside DIR (docs/threat-model.md).
+    /// Exit 0 when every entry was applied, 1 when some were refused (each named on stderr)
+    /// and the rest applied, 125 when nothing was applied.
+    Apply(ApplyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ApplyArgs {
+    /// Only check CHANGES (and list what would be refused); change nothing.
+    #[arg(long)]
+    pub check: bool,
+    /// Apply the entries that may be applied even when others are refused (by default a
+    /// refused entry stops the apply before anything changes).
+    #[arg(long)]
+    pub skip_refused: bool,
+    /// The changes: a tar file.
+    #[arg(value_name = "CHANGES")]
+    pub changes: PathBuf,
+    /// The directory to apply them to.
+    #[arg(value_name = "DIR")]
+    pub dir: PathBuf,
 }
 
 #[derive(Debug, clap::Subcommand)]

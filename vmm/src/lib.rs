@@ -7,6 +7,7 @@
 pub mod arch;
 pub mod boot;
 pub mod builder;
+pub mod changes;
 pub mod cli;
 pub mod config;
 pub mod control;

@@ -33,6 +33,7 @@ fn main() -> ExitCode {
     let args = match cli.command {
         Command::Run(args) => *args,
         Command::Image(cmd) => return image(cmd),
+        Command::Apply(args) => return apply(args),
         Command::Doctor => {
             let ok = amvm::doctor::run(&mut std::io::stdout().lock());
             return if ok {
@@ -106,6 +107,44 @@ fn image(cmd: ImageCommand) -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("amvm: {e}");
+            ExitCode::from(exit::AMVM_FAILURE)
+        }
+    }
+}
+
+/// `amvm apply CHANGES DIR`.
+fn apply(args: amvm::cli::ApplyArgs) -> ExitCode {
+    use amvm::changes::apply::{apply, Options};
+    let opts = Options {
+        check_only: args.check,
+        skip_refused: args.skip_refused,
+    };
+    let mut say = |line: String| eprintln!("amvm: apply: {line}");
+    match apply(&args.changes, &args.dir, opts, &mut say) {
+        Ok(r) if args.check => {
+            eprintln!(
+                "amvm: apply: {}: checked, {} entries would be refused",
+                args.changes.display(),
+                r.refused
+            );
+            ExitCode::from(u8::from(r.refused > 0))
+        }
+        Ok(r) => {
+            eprintln!(
+                "amvm: apply: applied {} entries to {} ({} refused, {} neutralised)",
+                r.applied,
+                args.dir.display(),
+                r.refused,
+                r.neutralised
+            );
+            match (r.refused, r.applied) {
+                (0, _) => ExitCode::SUCCESS,
+                (_, 1..) => ExitCode::from(1),
+                _ => ExitCode::from(exit::AMVM_FAILURE),
+            }
+        }
+        Err(e) => {
+            eprintln!("amvm: apply: {e}");
             ExitCode::from(exit::AMVM_FAILURE)
         }
     }
