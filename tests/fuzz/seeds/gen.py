@@ -288,10 +288,40 @@ def control_frames():
     return seeds
 
 
+def changes_tar():
+    import io
+    import tarfile
+
+    def archive(fmt, entries):
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=fmt) as t:
+            for name, kind, link, data in entries:
+                i = tarfile.TarInfo(name)
+                i.type, i.linkname, i.size, i.mode = kind, link, len(data), 0o644
+                t.addfile(i, io.BytesIO(data))
+        return buf.getvalue()
+
+    layer = [("./", tarfile.DIRTYPE, "", b""), ("./src/", tarfile.DIRTYPE, "", b""),
+             ("./src/main.rs", tarfile.REGTYPE, "", b"fn main() {}\n"),
+             ("./.wh.old", tarfile.REGTYPE, "", b""), ("./src/.wh..wh..opq", tarfile.REGTYPE, "", b""),
+             ("./link", tarfile.SYMTYPE, "src/main.rs", b""), ("./hard", tarfile.LNKTYPE, "src/main.rs", b""),
+             ("./" + "n" * 150, tarfile.REGTYPE, "", b"long"), ("./up", tarfile.SYMTYPE, "../out", b""),
+             ("../escape", tarfile.REGTYPE, "", b"x"), ("./dev", tarfile.CHRTYPE, "", b"")]
+    seeds = {}
+    seeds["gnu"] = u8(0) + archive(tarfile.GNU_FORMAT, layer)
+    seeds["pax"] = u8(0) + archive(tarfile.PAX_FORMAT, layer)
+    seeds["ustar"] = u8(0) + archive(tarfile.USTAR_FORMAT, layer[:7])
+    # mode 1: two entries, a file and a long-named symlink
+    seeds["round_trip"] = (u8(1) + u8(2) + u8(0) + u16(3) + u16(0) + u16(0o644) + u16(5) + b"abc" + b"hello"
+                           + u8(2) + u16(120) + u16(4) + u16(0o777) + u16(0) + b"l" * 120 + b"dest")
+    return seeds
+
+
 def main():
     for target, fn in [("vsock_packet", vsock_packet), ("vsock_connection", vsock_connection),
                        ("vsock_muxer", vsock_muxer), ("virtio_mmio", virtio_mmio),
-                       ("desc_chain", desc_chain), ("control_frames", control_frames)]:
+                       ("desc_chain", desc_chain), ("control_frames", control_frames),
+                       ("changes_tar", changes_tar)]:
         d = os.path.join(HERE, target)
         os.makedirs(d, exist_ok=True)
         for old in os.listdir(d):

@@ -231,6 +231,12 @@ fn plan(e: &Entry) -> Result<Action<'_>, String> {
     }
 }
 
+/// An entry's own checks, as the first pass makes them (before any filesystem is looked at):
+/// `Err` says why it is refused.
+pub fn check_entry(e: &Entry) -> Result<(), String> {
+    plan(e).map(|_| ())
+}
+
 fn shown(path: &[u8]) -> String {
     String::from_utf8_lossy(path).escape_debug().to_string()
 }
@@ -407,10 +413,17 @@ impl Applier {
 
     /// A descriptor of directory `comps` below DIR (created when missing and `create`),
     /// reached without following any symlink or leaving DIR's filesystem.
-    fn walk(&mut self, comps: &[&[u8]], create: bool) -> Result<Option<RawFd>, String> {
+    ///
+    /// The descriptor is the caller's own (a duplicate of the one cached), so dropping the
+    /// cache while using it is safe.
+    fn walk(&mut self, comps: &[&[u8]], create: bool) -> Result<Option<OwnedFd>, String> {
+        let dup = |fd: RawFd| {
+            // SAFETY: fcntl(2) F_DUPFD_CLOEXEC of a descriptor we hold; checked.
+            owned(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) }).map_err(|e| e.to_string())
+        };
         if let Some((c, fd)) = &self.cached {
             if c.len() == comps.len() && c.iter().zip(comps).all(|(a, b)| a.as_slice() == *b) {
-                return Ok(Some(fd.as_raw_fd()));
+                return dup(fd.as_raw_fd()).map(Some);
             }
         }
         let mut cur: Option<OwnedFd> = None;
@@ -456,11 +469,11 @@ impl Applier {
             cur = Some(fd);
         }
         let Some(fd) = cur else {
-            return Ok(Some(self.root.as_raw_fd()));
+            return dup(self.root.as_raw_fd()).map(Some);
         };
-        let raw = fd.as_raw_fd();
+        let mine = dup(fd.as_raw_fd())?;
         self.cached = Some((comps.iter().map(|c| c.to_vec()).collect(), fd));
-        Ok(Some(raw))
+        Ok(Some(mine))
     }
 
     fn tmp_name(&mut self) -> CString {
@@ -521,6 +534,7 @@ impl Applier {
             } => {
                 let (last, parent) = comps.split_last().expect("a named entry");
                 let dir = self.walk(parent, true)?.expect("created");
+                let dir = dir.as_raw_fd();
                 let name = cstring(last).map_err(err)?;
                 let flags = libc::O_WRONLY
                     | libc::O_CREAT
@@ -567,6 +581,7 @@ impl Applier {
             } => {
                 let (last, parent) = comps.split_last().expect("a named entry");
                 let dir = self.walk(parent, true)?.expect("created");
+                let dir = dir.as_raw_fd();
                 let name = cstring(last).map_err(err)?;
                 // SAFETY: mkdirat(2) relative to a directory we hold; checked.
                 let r = check(unsafe { libc::mkdirat(dir, name.as_ptr(), 0o700) });
@@ -591,6 +606,7 @@ impl Applier {
             Action::Symlink { comps, target } => {
                 let (last, parent) = comps.split_last().expect("a named entry");
                 let dir = self.walk(parent, true)?.expect("created");
+                let dir = dir.as_raw_fd();
                 let name = cstring(last).map_err(err)?;
                 let target = cstring(target).map_err(err)?;
                 let tmp = self.tmp_name();
@@ -603,14 +619,9 @@ impl Applier {
             }
             Action::HardLink { comps, target } => {
                 let (tlast, tparent) = target.split_last().expect("checked non-empty");
-                let tdir = match self.walk(tparent, false)? {
-                    Some(fd) => fd,
-                    None => return Err("a hard link to a file that is not in the directory".into()),
+                let Some(tdir) = self.walk(tparent, false)? else {
+                    return Err("a hard link to a file that is not in the directory".into());
                 };
-                // Hold the target's directory while the link's own is walked (the cache moves).
-                // SAFETY: dup(2) of a descriptor we hold; checked.
-                let tdir =
-                    owned(unsafe { libc::fcntl(tdir, libc::F_DUPFD_CLOEXEC, 0) }).map_err(err)?;
                 let tname = cstring(tlast).map_err(err)?;
                 match stat_at(tdir.as_raw_fd(), &tname) {
                     Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFREG => {}
@@ -623,6 +634,7 @@ impl Applier {
                 }
                 let (last, parent) = comps.split_last().expect("a named entry");
                 let dir = self.walk(parent, true)?.expect("created");
+                let dir = dir.as_raw_fd();
                 let name = cstring(last).map_err(err)?;
                 let tmp = self.tmp_name();
                 // SAFETY: linkat(2) between directories we hold, not following a final symlink.
@@ -640,7 +652,7 @@ impl Applier {
                 };
                 let name = cstring(name).map_err(err)?;
                 self.cached = None;
-                match remove_tree(dir, &name) {
+                match remove_tree(dir.as_raw_fd(), &name) {
                     Ok(()) => {}
                     Err(x) if x.raw_os_error() == Some(libc::ENOENT) => {}
                     Err(x) => return Err(x.to_string()),
@@ -650,9 +662,6 @@ impl Applier {
                 let Some(fd) = self.walk(&dir, false)? else {
                     return Ok(0);
                 };
-                // SAFETY: dup(2) of a descriptor we hold; checked.
-                let fd =
-                    owned(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) }).map_err(err)?;
                 self.cached = None;
                 for child in list_dir(fd.as_raw_fd()).map_err(err)? {
                     let mut path = dir.clone();
@@ -674,8 +683,8 @@ impl Applier {
         let name = cstring(last).map_err(|e| e.to_string())?;
         let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
         // SAFETY: openat(2) relative to a directory we hold; checked.
-        let fd =
-            owned(unsafe { libc::openat(dir, name.as_ptr(), flags) }).map_err(|e| e.to_string())?;
+        let fd = owned(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) })
+            .map_err(|e| e.to_string())?;
         // SAFETY: fchmod(2) of the directory just opened (never a symlink: O_NOFOLLOW).
         check(unsafe { libc::fchmod(fd.as_raw_fd(), mode) }).map_err(|e| e.to_string())
     }
@@ -720,7 +729,7 @@ fn set_mtime(f: &File, mtime: i64) -> io::Result<()> {
 }
 
 /// The names in directory `dir` (a descriptor of any kind), without `.` and `..`.
-fn list_dir(dir: RawFd) -> io::Result<Vec<CString>> {
+pub(super) fn list_dir(dir: RawFd) -> io::Result<Vec<CString>> {
     let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC;
     // SAFETY: openat(2) of "." relative to a directory we hold; checked. The new descriptor
     // is handed to fdopendir, which owns it from then on (closedir closes it).

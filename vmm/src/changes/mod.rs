@@ -1,5 +1,7 @@
 //! Changes made in a sandbox, as a tar in OCI image-layer form (whiteouts for deletions,
-//! opaque directories), and applying them to a host directory safely ([`apply`]).
+//! opaque directories): made from an overlayfs upper directory ([`layer`]) and applied to a
+//! host directory safely ([`apply`]).
 
 pub mod apply;
+pub mod layer;
 pub mod tar;

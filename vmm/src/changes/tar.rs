@@ -4,7 +4,7 @@
 //! memory only up to [`MAX_META`] bytes, and a GNU sparse file's map is bounded. Nothing here
 //! touches the filesystem; [`super::apply`] decides what an entry may do.
 
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 
 /// Largest GNU long-name or pax record block read into memory (PATH_MAX is 4096).
 pub const MAX_META: u64 = 64 * 1024;
@@ -423,94 +423,187 @@ fn put_number(field: &mut [u8], v: u64) {
     }
 }
 
-/// Writes archives for tests (and, later, for `--changes`): ustar headers, with a GNU long
-/// name record when a path does not fit.
+/// Writes a tar stream: ustar headers, a GNU long-name record before any entry whose path or
+/// link does not fit, GNU sparse entries for files with holes.
+pub struct TarWriter<W: Write> {
+    out: W,
+    written: u64,
+}
+
+impl<W: Write> TarWriter<W> {
+    pub fn new(out: W) -> Self {
+        TarWriter { out, written: 0 }
+    }
+
+    /// One entry; exactly `size` bytes of `data` follow it (an error if `data` has fewer).
+    #[allow(clippy::too_many_arguments)]
+    pub fn put(
+        &mut self,
+        kind: u8,
+        path: &[u8],
+        link: &[u8],
+        mode: u32,
+        mtime: i64,
+        size: u64,
+        data: &mut dyn Read,
+    ) -> io::Result<()> {
+        self.long_names(path, link)?;
+        let h = header_block(kind, path, link, mode, mtime, size, None);
+        self.write(&h)?;
+        self.copy(data, size)?;
+        self.pad()
+    }
+
+    /// A GNU sparse file of `size` bytes holding only `chunks` (offset, length, in order);
+    /// `data` gives the chunks' bytes one after another.
+    pub fn put_sparse(
+        &mut self,
+        path: &[u8],
+        mode: u32,
+        mtime: i64,
+        size: u64,
+        chunks: &[(u64, u64)],
+        data: &mut dyn Read,
+    ) -> io::Result<()> {
+        self.long_names(path, b"")?;
+        let stored: u64 = chunks.iter().map(|c| c.1).sum();
+        let mut gnu = [0u8; BLOCK];
+        let (first, rest) = chunks.split_at(chunks.len().min(4));
+        for (i, &(off, len)) in first.iter().enumerate() {
+            put_number(&mut gnu[386 + i * 24..398 + i * 24], off);
+            put_number(&mut gnu[398 + i * 24..410 + i * 24], len);
+        }
+        gnu[482] = u8::from(!rest.is_empty());
+        put_number(&mut gnu[483..495], size);
+        let h = header_block(b'S', path, b"", mode, mtime, stored, Some(&gnu));
+        self.write(&h)?;
+        let blocks: Vec<&[(u64, u64)]> = rest.chunks(21).collect();
+        for (n, block) in blocks.iter().enumerate() {
+            let mut ext = [0u8; BLOCK];
+            for (i, &(off, len)) in block.iter().enumerate() {
+                put_number(&mut ext[i * 24..i * 24 + 12], off);
+                put_number(&mut ext[i * 24 + 12..i * 24 + 24], len);
+            }
+            ext[504] = u8::from(n + 1 < blocks.len());
+            self.write(&ext)?;
+        }
+        self.copy(data, stored)?;
+        self.pad()
+    }
+
+    /// The end-of-archive marker; returns the output.
+    pub fn finish(mut self) -> io::Result<W> {
+        self.write(&[0u8; 2 * BLOCK])?;
+        self.out.flush()?;
+        Ok(self.out)
+    }
+
+    fn long_names(&mut self, path: &[u8], link: &[u8]) -> io::Result<()> {
+        for (kind, name) in [(b'L', path), (b'K', link)] {
+            if name.len() > 99 {
+                let mut n = name.to_vec();
+                n.push(0);
+                let h = header_block(kind, b"././@LongLink", b"", 0, 0, n.len() as u64, None);
+                self.write(&h)?;
+                self.write(&n)?;
+                self.pad()?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write(&mut self, b: &[u8]) -> io::Result<()> {
+        self.out.write_all(b)?;
+        self.written += b.len() as u64;
+        Ok(())
+    }
+
+    fn copy(&mut self, data: &mut dyn Read, size: u64) -> io::Result<()> {
+        let n = io::copy(&mut data.take(size), &mut self.out)?;
+        self.written += n;
+        if n != size {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("{n} bytes of data where {size} were announced (did the file shrink?)"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn pad(&mut self) -> io::Result<()> {
+        let rem = (self.written % BLOCK as u64) as usize;
+        if rem != 0 {
+            self.write(&[0u8; BLOCK][..BLOCK - rem])?;
+        }
+        Ok(())
+    }
+}
+
+/// One 512-byte header; `path` and `link` are cut at 99 bytes (a long-name record before it
+/// carries the whole of a longer one). `gnu`: a GNU header (its sparse fields from that block).
+fn header_block(
+    kind: u8,
+    path: &[u8],
+    link: &[u8],
+    mode: u32,
+    mtime: i64,
+    size: u64,
+    gnu: Option<&[u8; BLOCK]>,
+) -> [u8; BLOCK] {
+    let mut h = [0u8; BLOCK];
+    let path = &path[..path.len().min(99)];
+    let link = &link[..link.len().min(99)];
+    h[..path.len()].copy_from_slice(path);
+    put_number(&mut h[100..108], u64::from(mode & 0o7777));
+    put_number(&mut h[108..116], 0);
+    put_number(&mut h[116..124], 0);
+    put_number(&mut h[124..136], size);
+    put_number(&mut h[136..148], u64::try_from(mtime).unwrap_or(0));
+    h[156] = kind;
+    h[157..157 + link.len()].copy_from_slice(link);
+    match gnu {
+        None => {
+            h[257..263].copy_from_slice(b"ustar\0");
+            h[263..265].copy_from_slice(b"00");
+        }
+        Some(g) => {
+            h[257..265].copy_from_slice(b"ustar  \0");
+            h[386..495].copy_from_slice(&g[386..495]);
+        }
+    }
+    h[148..156].copy_from_slice(b"        ");
+    let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
+    h[148..155].copy_from_slice(format!("{sum:06o}\0").as_bytes());
+    h
+}
+
+/// Builds archives in memory, for tests and fuzzing.
 #[derive(Debug, Default)]
 pub struct Writer {
     pub out: Vec<u8>,
 }
 
 impl Writer {
-    /// One entry with raw header values; `data` follows it, padded.
+    /// One entry with raw header values; `data` follows it.
     pub fn entry(&mut self, kind: u8, path: &[u8], link: &[u8], mode: u32, data: &[u8]) {
-        if path.len() > 99 {
-            self.header(b'L', b"././@LongLink", b"", 0, path.len() as u64 + 1, &[]);
-            let mut p = path.to_vec();
-            p.push(0);
-            self.data(&p);
-        }
-        if link.len() > 99 {
-            self.header(b'K', b"././@LongLink", b"", 0, link.len() as u64 + 1, &[]);
-            let mut l = link.to_vec();
-            l.push(0);
-            self.data(&l);
-        }
-        let short = |b: &[u8]| b[..b.len().min(99)].to_vec();
-        self.header(
-            kind,
-            &short(path),
-            &short(link),
-            mode,
-            data.len() as u64,
-            &[],
-        );
-        self.data(data);
+        let mut t = TarWriter::new(&mut self.out);
+        t.put(kind, path, link, mode, 0, data.len() as u64, &mut &data[..])
+            .expect("writing to memory");
     }
 
     /// A GNU sparse file of `size` bytes whose only data are `chunks` (offset, bytes).
     pub fn sparse(&mut self, path: &[u8], mode: u32, size: u64, chunks: &[(u64, &[u8])]) {
-        assert!(
-            chunks.len() <= 4,
-            "the test writer keeps the map in the header"
-        );
-        let stored: u64 = chunks.iter().map(|c| c.1.len() as u64).sum();
-        let mut extra = [0u8; BLOCK];
-        for (i, (off, data)) in chunks.iter().enumerate() {
-            let f = &mut extra[386 + i * 24..386 + (i + 1) * 24];
-            put_number(&mut f[..12], *off);
-            put_number(&mut f[12..], data.len() as u64);
-        }
-        put_number(&mut extra[483..495], size);
-        self.header(b'S', path, b"", mode, stored, &extra[386..495]);
-        for (_, data) in chunks {
-            self.out.extend_from_slice(data);
-        }
-        self.pad();
+        let map: Vec<(u64, u64)> = chunks.iter().map(|c| (c.0, c.1.len() as u64)).collect();
+        let data: Vec<u8> = chunks.iter().flat_map(|c| c.1.iter().copied()).collect();
+        let mut t = TarWriter::new(&mut self.out);
+        t.put_sparse(path, mode, 0, size, &map, &mut &data[..])
+            .expect("writing to memory");
     }
 
-    fn header(&mut self, kind: u8, path: &[u8], link: &[u8], mode: u32, size: u64, gnu: &[u8]) {
-        let mut h = [0u8; BLOCK];
-        h[..path.len()].copy_from_slice(path);
-        h[100..107].copy_from_slice(format!("{mode:07o}").as_bytes());
-        h[108..115].copy_from_slice(b"0000000");
-        h[116..123].copy_from_slice(b"0000000");
-        put_number(&mut h[124..136], size);
-        h[136..147].copy_from_slice(b"00000000000");
-        h[156] = kind;
-        h[157..157 + link.len()].copy_from_slice(link);
-        if gnu.is_empty() {
-            h[257..263].copy_from_slice(b"ustar\0");
-            h[263..265].copy_from_slice(b"00");
-        } else {
-            h[257..265].copy_from_slice(b"ustar  \0");
-            h[386..386 + gnu.len()].copy_from_slice(gnu);
-        }
-        h[148..156].copy_from_slice(b"        ");
-        let sum: u32 = h.iter().map(|&b| u32::from(b)).sum();
-        h[148..155].copy_from_slice(format!("{sum:06o}\0").as_bytes());
+    /// A header alone, its size field saying `size` (for malformed archives).
+    pub fn header(&mut self, kind: u8, path: &[u8], size: u64) {
+        let h = header_block(kind, path, b"", 0, 0, size, None);
         self.out.extend_from_slice(&h);
-    }
-
-    fn data(&mut self, data: &[u8]) {
-        self.out.extend_from_slice(data);
-        self.pad();
-    }
-
-    fn pad(&mut self) {
-        let rem = self.out.len() % BLOCK;
-        if rem != 0 {
-            self.out.resize(self.out.len() + BLOCK - rem, 0);
-        }
     }
 
     /// The end-of-archive marker; returns the archive.
@@ -567,10 +660,31 @@ mod tests {
     }
 
     #[test]
+    fn a_sparse_map_longer_than_the_header_continues_in_extension_blocks() {
+        let pieces: Vec<(u64, Vec<u8>)> = (0..50u64).map(|i| (i << 20, vec![i as u8; 3])).collect();
+        let chunks: Vec<(u64, &[u8])> = pieces.iter().map(|(o, d)| (*o, d.as_slice())).collect();
+        let mut w = Writer::default();
+        let map: Vec<(u64, u64)> = chunks.iter().map(|c| (c.0, 3)).collect();
+        let data: Vec<u8> = pieces.iter().flat_map(|p| p.1.clone()).collect();
+        TarWriter::new(&mut w.out)
+            .put_sparse(b"many", 0o600, 0, 64 << 20, &map, &mut &data[..])
+            .unwrap();
+        w.entry(b'0', b"after", b"", 0o644, b"next");
+        let got = all(&w.finish()).unwrap();
+        assert_eq!(got[0].0.sparse, map);
+        assert_eq!(got[0].1, data);
+        assert_eq!(got[0].0.size, 64 << 20);
+        assert_eq!(
+            (got[1].0.path.as_slice(), got[1].1.as_slice()),
+            (&b"after"[..], &b"next"[..])
+        );
+    }
+
+    #[test]
     fn hostile_archives_are_errors_not_allocations() {
         // A long-name record claiming 1 GiB.
         let mut w = Writer::default();
-        w.header(b'L', b"././@LongLink", b"", 0, 1 << 30, &[]);
+        w.header(b'L', b"././@LongLink", 1 << 30);
         let e = all(&w.finish()).unwrap_err();
         assert!(matches!(e, TarError::MetaTooLarge { .. }), "{e}");
         // A corrupted checksum.
