@@ -66,7 +66,12 @@ fn console_stdio() {
 
 /// Build the root the workload sees, as the spec describes it.
 pub fn root(spec: &RunSpec) -> io::Result<()> {
-    for Mount { tag, path } in &spec.mounts {
+    for Mount {
+        tag,
+        path,
+        writable,
+    } in &spec.mounts
+    {
         let (tag, path) = (
             String::from_utf8_lossy(tag).into_owned(),
             String::from_utf8_lossy(path).into_owned(),
@@ -76,7 +81,11 @@ pub fn root(spec: &RunSpec) -> io::Result<()> {
             &tag,
             &path,
             "virtiofs",
-            libc::MS_RDONLY | NODEV_NOSUID,
+            if *writable {
+                NODEV_NOSUID
+            } else {
+                libc::MS_RDONLY | NODEV_NOSUID
+            },
             None,
         )
         .map_err(ctx(format!("mount virtio-fs {tag:?} on {path}")))?;

@@ -19,7 +19,8 @@
 //! relay, bit 1: stdin stream), `pids_max: u32`, `cwd: bytes`, `argv: list`, `env: list`, `mounts: list`,
 //! `files: list`, where `bytes` is `len: u32` followed by `len` bytes and `list` is
 //! `count: u32` followed by `count` `bytes`. Environment entries are `KEY=VALUE`; a mount is
-//! `TAG NUL PATH` (a virtio-fs tag and where it goes, read-only); a file is `f PATH NUL DATA`
+//! `TAG NUL PATH` (a virtio-fs tag and where it goes, read-only) or `TAG NUL PATH NUL w`
+//! (mounted writable); a file is `f PATH NUL DATA`
 //! or a symlink `l PATH NUL TARGET` (what guest-init writes into `/etc` before sealing it).
 //!
 //! The VMM treats every byte from the guest as hostile: a [`FrameParser`] for
@@ -92,11 +93,14 @@ pub struct RunSpec {
     pub files: Vec<SpecFile>,
 }
 
-/// A virtio-fs share: its tag and its absolute mount point.
+/// A virtio-fs share: its tag, its absolute mount point, and whether the guest mounts it
+/// writable (an overlay workspace, whose writes land in a layer on the host; the host decides
+/// what a share may write, never this flag alone).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
     pub tag: Vec<u8>,
     pub path: Vec<u8>,
+    pub writable: bool,
 }
 
 /// One entry guest-init writes before the workload starts.
@@ -116,13 +120,20 @@ fn split_nul(b: &[u8]) -> Result<(&[u8], &[u8]), ProtocolError> {
 
 impl Mount {
     fn encode(&self) -> Vec<u8> {
-        [&self.tag[..], &[0], &self.path[..]].concat()
+        let flags: &[u8] = if self.writable { b"\0w" } else { b"" };
+        [&self.tag[..], &[0], &self.path[..], flags].concat()
     }
     fn decode(b: &[u8]) -> Result<Self, ProtocolError> {
-        let (tag, path) = split_nul(b)?;
+        let (tag, rest) = split_nul(b)?;
+        let (path, writable) = match split_nul(rest) {
+            Ok((path, b"w")) => (path, true),
+            Ok(_) => return Err(ProtocolError::BadEntry),
+            Err(_) => (rest, false),
+        };
         Ok(Mount {
             tag: tag.to_vec(),
             path: path.to_vec(),
+            writable,
         })
     }
 }
@@ -437,10 +448,18 @@ mod tests {
             egress: true,
             stdin: false,
             pids_max: 4096,
-            mounts: vec![Mount {
-                tag: b"usr".to_vec(),
-                path: b"/usr".to_vec(),
-            }],
+            mounts: vec![
+                Mount {
+                    tag: b"usr".to_vec(),
+                    path: b"/usr".to_vec(),
+                    writable: false,
+                },
+                Mount {
+                    tag: b"workspace".to_vec(),
+                    path: b"/workspace".to_vec(),
+                    writable: true,
+                },
+            ],
             files: vec![
                 SpecFile::File {
                     path: b"/etc/hosts".to_vec(),
@@ -493,6 +512,9 @@ mod tests {
             assert_eq!(SpecFile::decode(bad), Err(ProtocolError::BadEntry));
         }
         assert_eq!(Mount::decode(b"no-nul"), Err(ProtocolError::BadEntry));
+        assert_eq!(Mount::decode(b"t\0/p\0x"), Err(ProtocolError::BadEntry));
+        assert!(Mount::decode(b"t\0/p\0w").unwrap().writable);
+        assert!(!Mount::decode(b"t\0/p").unwrap().writable);
     }
 
     #[test]

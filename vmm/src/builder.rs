@@ -59,6 +59,8 @@ pub enum RunError {
     Seccomp(#[from] SeccompError),
     #[error(transparent)]
     Jail(#[from] crate::jail::JailError),
+    #[error(transparent)]
+    Overlay(#[from] crate::overlay::OverlayError),
     #[error("setting up signal forwarding: {0}")]
     Signals(io::Error),
     #[error("interrupted by {}: {why}", signals::name(*.sig))]
@@ -115,6 +117,21 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     crate::jail::no_new_privs()?;
     crate::jail::enter_namespaces()?;
     t.mark("namespaces entered");
+    // An overlay workspace is mounted in that namespace, where only amvm and virtiofsd see it.
+    let overlay = match &cfg.overlay {
+        Some(ov) => {
+            let scratch = ov.scratch.as_deref().ok_or(RunError::Overlay(
+                crate::overlay::OverlayError::Scratch(
+                    ov.lower.clone(),
+                    io::Error::other("no scratch directory was made"),
+                ),
+            ))?;
+            crate::overlay::mount(ov, scratch)?;
+            t.mark("overlay mounted");
+            Some(crate::overlay::merged(scratch))
+        }
+        None => None,
+    };
     // Before any thread starts (they inherit the mask): SIGINT/SIGTERM/SIGHUP wait in a
     // signalfd for the loop below, which forwards them to the workload.
     let signals = Signals::block().map_err(RunError::Signals)?;
@@ -156,7 +173,12 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     let mut fs_streams = Vec::with_capacity(cfg.shares.len());
     for (tag, dir) in &cfg.shares {
         let stable = tag == crate::config::TAG_SYSTEM;
-        let (backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, &policy)?;
+        // The overlay's merged directory is the one share virtiofsd may write.
+        let (dir, writable) = match &overlay {
+            Some(merged) if tag == crate::config::TAG_WORKSPACE => (merged, true),
+            _ => (dir, false),
+        };
+        let (backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, writable, &policy)?;
         backends.push(backend);
         fs_streams.push((tag, stream));
     }

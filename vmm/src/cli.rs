@@ -77,9 +77,15 @@ pub enum ImageCommand {
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
-    /// Share DIR read-only at /workspace (the default working directory).
-    #[arg(long, value_name = "DIR")]
+    /// Share DIR at /workspace (the default working directory): read-only, or with
+    /// `DIR:overlay` writable, the writes going to a layer on the host while DIR itself is
+    /// never written.
+    #[arg(long, value_name = "DIR[:overlay]")]
     pub workspace: Option<PathBuf>,
+    /// With `--workspace DIR:overlay`: at exit, write what the workload changed in
+    /// /workspace to FILE, a tar in OCI layer form (`amvm apply FILE DIR` applies it).
+    #[arg(long, value_name = "FILE")]
+    pub changes: Option<PathBuf>,
     /// Host unix socket the workload may reach through the egress relay.
     #[arg(long, value_name = "SOCKET")]
     pub egress: Option<PathBuf>,
@@ -144,11 +150,20 @@ impl RunArgs {
     /// Validate everything that can be checked without touching the host.
     pub fn into_config(self) -> Result<RunConfig, ConfigError> {
         let root = config::system_root(&self.system)?;
-        let workspace = self
-            .workspace
-            .as_deref()
-            .map(config::workspace)
-            .transpose()?;
+        let (workspace, overlay) = match self.workspace.as_deref() {
+            Some(w) => {
+                let (dir, overlay) = config::workspace_arg(w)?;
+                (Some(config::workspace(&dir)?), overlay)
+            }
+            None => (None, false),
+        };
+        if self.changes.is_some() && !overlay {
+            return Err(ConfigError::ChangesWithoutOverlay);
+        }
+        let overlay = match (&workspace, overlay) {
+            (Some(lower), true) => Some(config::overlay(lower, self.changes.as_deref())?),
+            _ => None,
+        };
         let (uid, gid) = config::parse_user(&self.user)?;
         let cwd = match self.workdir {
             Some(w) if w.starts_with('/') => w,
@@ -160,12 +175,15 @@ impl RunArgs {
         let mut mounts = vec![Mount {
             tag: config::TAG_SYSTEM.into(),
             path: b"/usr".to_vec(),
+            writable: false,
         }];
         if let Some(ws) = workspace {
+            // With an overlay, the share is the overlay's merged directory, made at run time.
             shares.push((config::TAG_WORKSPACE.to_string(), ws));
             mounts.push(Mount {
                 tag: config::TAG_WORKSPACE.into(),
                 path: config::WORKSPACE_PATH.into(),
+                writable: overlay.is_some(),
             });
         }
         let cache = config::cache_dir().unwrap_or_default();
@@ -211,6 +229,7 @@ impl RunArgs {
             spec,
             egress: self.egress,
             egress_log: self.egress_log,
+            overlay,
             shares,
             virtiofsd: crate::fs::virtiofsd_path(&cache),
         })
@@ -282,7 +301,36 @@ mod tests {
         assert!(e.starts_with("--workspace /nonexistent: "), "{e}");
         let e = parse(&["amvm", "run", "--workspace", "/etc/hostname", "--", "true"]).unwrap_err();
         assert!(e.contains("not a directory"), "{e}");
+        let e = parse(&["amvm", "run", "--changes", "/tmp/c.tar", "--", "true"]).unwrap_err();
+        assert!(e.starts_with("--changes needs a writable workspace"), "{e}");
+        let e = parse(&[
+            "amvm",
+            "run",
+            "--workspace",
+            "/tmp",
+            "--changes",
+            "/c",
+            "--",
+            "true",
+        ]);
+        assert!(e.unwrap_err().starts_with("--changes needs"));
+        let e = parse(&[
+            "amvm",
+            "run",
+            "--workspace",
+            "/tmp:overlay",
+            "--changes",
+            "/nonexistent/c",
+            "--",
+            "true",
+        ]);
+        assert!(e
+            .unwrap_err()
+            .starts_with("--changes /nonexistent/c: its directory"));
+        let c = parse(&["amvm", "run", "--workspace", "/tmp:overlay", "--", "true"]).unwrap();
+        assert!(c.overlay.is_some() && c.spec.mounts[1].writable);
         let c = parse(&["amvm", "run", "--workspace", "/tmp", "--", "true"]).unwrap();
+        assert!(c.overlay.is_none() && !c.spec.mounts[1].writable);
         assert_eq!(c.spec.cwd, b"/workspace");
         assert_eq!(c.shares.len(), 2);
     }

@@ -43,6 +43,76 @@ pub enum ConfigError {
     System(PathBuf, String),
     #[error("AMVM_HUGE_PAGES={0:?}: say 1 (on) or 0 (off)")]
     HugePagesEnv(String),
+    #[error("--changes needs a writable workspace: --workspace DIR:overlay")]
+    ChangesWithoutOverlay,
+    #[error("--workspace {0}:overlay: {1}")]
+    Overlay(PathBuf, String),
+    #[error("--changes {0}: {1}")]
+    Changes(PathBuf, String),
+}
+
+/// `--workspace DIR:overlay`: the workspace writable over DIR, which is never written; the
+/// writes go to a layer in a scratch directory on the host (made at run time).
+#[derive(Debug, Clone)]
+pub struct Overlay {
+    /// DIR, canonical.
+    pub lower: PathBuf,
+    /// Where the changes go at exit (`--changes`).
+    pub changes: Option<PathBuf>,
+    /// The scratch directory (`upper/`, `work/`, `merged/`), once made (`amvm run` makes it,
+    /// beside FILE or in the runtime directory, before the VM starts).
+    pub scratch: Option<PathBuf>,
+}
+
+/// `--workspace` as given: `DIR`, or `DIR:overlay` (unless a directory of that whole name
+/// exists, which is then DIR).
+pub fn workspace_arg(arg: &Path) -> Result<(PathBuf, bool), ConfigError> {
+    use std::os::unix::ffi::OsStrExt;
+    let b = arg.as_os_str().as_bytes();
+    match b.strip_suffix(b":overlay") {
+        Some(dir) if !arg.is_dir() => Ok((PathBuf::from(std::ffi::OsStr::from_bytes(dir)), true)),
+        _ => Ok((arg.to_owned(), false)),
+    }
+}
+
+/// Check an overlay's DIR and `--changes` FILE: overlayfs's option syntax cannot name a DIR
+/// with `,`, `:` or `\\`; FILE's directory must exist, and FILE must not be a directory.
+pub fn overlay(lower: &Path, changes: Option<&Path>) -> Result<Overlay, ConfigError> {
+    use std::os::unix::ffi::OsStrExt;
+    if lower
+        .as_os_str()
+        .as_bytes()
+        .iter()
+        .any(|b| b",:\\".contains(b))
+    {
+        return Err(ConfigError::Overlay(
+            lower.to_owned(),
+            "a path with ',', ':' or '\\' cannot be an overlay's lower directory (rename or move it)".into(),
+        ));
+    }
+    let changes = match changes {
+        Some(f) => {
+            let bad = |why: &str| ConfigError::Changes(f.to_owned(), why.into());
+            if f.is_dir() {
+                return Err(bad("is a directory"));
+            }
+            let parent = match f.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+                _ => PathBuf::from("."),
+            };
+            let parent = parent
+                .canonicalize()
+                .map_err(|e| bad(&format!("its directory: {e}")))?;
+            let name = f.file_name().ok_or_else(|| bad("names no file"))?;
+            Some(parent.join(name))
+        }
+        None => None,
+    };
+    Ok(Overlay {
+        lower: lower.to_owned(),
+        changes,
+        scratch: None,
+    })
 }
 
 /// A validated run.
@@ -65,6 +135,8 @@ pub struct RunConfig {
     /// The host unix socket egress streams go to (`--egress`), and their log.
     pub egress: Option<PathBuf>,
     pub egress_log: Option<PathBuf>,
+    /// `--workspace DIR:overlay`.
+    pub overlay: Option<Overlay>,
 }
 
 /// Where `images/setup`, run as root, also installs the guest kernel and virtiofsd, for every

@@ -158,6 +158,7 @@ impl Virtiofsd {
         bin: &Path,
         dir: &Path,
         stable: bool,
+        writable: bool,
         policy: &Policy,
     ) -> Result<(Virtiofsd, UnixStream), FsError> {
         if !bin.is_file() {
@@ -169,8 +170,14 @@ impl Virtiofsd {
         cmd.arg(format!("--fd={fd}"))
             .arg("--shared-dir")
             .arg(dir)
+            // Read-only, unless this is an overlay workspace's merged directory, whose writes
+            // land in the overlay's upper layer (DIR itself is the lower: never written).
+            .args(if writable {
+                &[][..]
+            } else {
+                &["--readonly"][..]
+            })
             .args([
-                "--readonly",
                 "--sandbox=namespace",
                 "--seccomp=kill",
                 if stable {
@@ -455,6 +462,7 @@ mod tests {
             Path::new("/nonexistent/virtiofsd"),
             Path::new("/"),
             true,
+            false,
             &Policy::new(false).unwrap(),
         )
         .unwrap_err();

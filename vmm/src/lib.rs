@@ -16,6 +16,7 @@ pub mod fs;
 pub mod image;
 pub mod jail;
 pub mod output;
+pub mod overlay;
 pub mod seccomp;
 pub mod signals;
 pub mod vstate;

@@ -44,24 +44,65 @@ fn main() -> ExitCode {
         }
     };
     let timeline = builder::Timeline::start();
-    let code = match args
-        .into_config()
-        .map_err(anyhow::Error::from)
-        .and_then(|cfg| {
-            timeline.mark("configuration built");
-            let code = builder::run(&cfg, &timeline)?;
-            timeline.mark("run returned (its resources released)");
-            Ok(code)
-        }) {
-        Ok(code) => code,
+    let mut cfg = match args.into_config() {
+        Ok(cfg) => cfg,
         Err(e) => {
-            eprintln!("amvm: {e:#}");
-            e.downcast_ref::<builder::RunError>()
-                .map_or(exit::AMVM_FAILURE, builder::RunError::exit_code)
+            eprintln!("amvm: {:#}", anyhow::Error::from(e));
+            return ExitCode::from(exit::AMVM_FAILURE);
+        }
+    };
+    timeline.mark("configuration built");
+    let code = match cfg.overlay.clone() {
+        None => vmm(&cfg, &timeline),
+        Some(mut ov) => {
+            // An overlay run: this process supervises the VMM and then writes the changes
+            // (overlay.rs).
+            let scratch = match amvm::overlay::make_scratch(&ov) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("amvm: {e}");
+                    return ExitCode::from(exit::AMVM_FAILURE);
+                }
+            };
+            ov.scratch = Some(scratch.clone());
+            cfg.overlay = Some(ov.clone());
+            let code = amvm::overlay::supervise(|| vmm(&cfg, &timeline)).unwrap_or_else(|e| {
+                eprintln!("amvm: {e}");
+                exit::AMVM_FAILURE
+            });
+            match amvm::overlay::finish(&ov, &scratch) {
+                Ok(Some(r)) => tracing::debug!(
+                    "changes: {} entries, {} whiteouts, {} bytes of data",
+                    r.entries,
+                    r.whiteouts,
+                    r.data_bytes
+                ),
+                Ok(None) => {}
+                Err(e) => {
+                    eprintln!("amvm: {e}");
+                    return ExitCode::from(exit::AMVM_FAILURE);
+                }
+            }
+            code
         }
     };
     let _ = std::io::stdout().flush();
     ExitCode::from(code)
+}
+
+/// Boot the VM of `cfg`, run its workload: the workload's status, or amvm's own.
+fn vmm(cfg: &amvm::config::RunConfig, timeline: &builder::Timeline) -> u8 {
+    match builder::run(cfg, timeline) {
+        Ok(code) => {
+            timeline.mark("run returned (its resources released)");
+            code
+        }
+        Err(e) => {
+            let code = e.exit_code();
+            eprintln!("amvm: {:#}", anyhow::Error::from(e));
+            code
+        }
+    }
 }
 
 /// `amvm image list|path|rm`: the built images in `$AMVM_CACHE/images`.

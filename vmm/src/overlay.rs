@@ -1,0 +1,270 @@
+//! `--workspace DIR:overlay`: a writable /workspace whose writes never reach DIR.
+//!
+//! amvm mounts an overlayfs in its own private mount namespace (jail.rs), before virtiofsd
+//! starts: DIR is the lower layer (overlayfs never writes a lower layer), and the upper and
+//! work directories live in a scratch directory on the host (beside `--changes FILE`, else in
+//! the runtime directory, `/dev/shm` or the temp dir). virtiofsd serves the merged directory read-write; the guest mounts it
+//! writable. Whatever the guest writes is in the upper directory on the host as soon as
+//! virtiofsd has written it, so a guest that crashes loses nothing it had written.
+//!
+//! A run with an overlay is two processes: this one stays outside the VMM's confinement as a
+//! supervisor, forks the VMM (which jails itself as in any run), waits for it, then writes the
+//! upper directory as a layer to `--changes FILE` (changes/layer.rs) and removes the scratch
+//! directory. Signals sent to the supervisor are passed to the VMM.
+
+use crate::changes::layer::{write_layer, LayerError, LayerReport};
+use crate::config::Overlay;
+use std::ffi::CString;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
+
+#[derive(Debug, thiserror::Error)]
+pub enum OverlayError {
+    #[error("making the overlay's scratch directory in {0}: {1}")]
+    Scratch(PathBuf, io::Error),
+    #[error("mounting the overlay (lower {lower}, upper in {scratch}): {error}{}", hint(.error))]
+    Mount {
+        lower: PathBuf,
+        scratch: PathBuf,
+        error: io::Error,
+    },
+    #[error("starting the VMM process: {0}")]
+    Fork(io::Error),
+    #[error("writing the changes to {0}: {1} (the upper layer is kept in {2})")]
+    Changes(PathBuf, LayerError, PathBuf),
+    #[error("writing the changes to {0}: {1} (the upper layer is kept in {2})")]
+    ChangesIo(PathBuf, io::Error, PathBuf),
+}
+
+fn hint(e: &io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
+            " (the scratch directory, beside --changes FILE or in the runtime directory, must be on a filesystem overlayfs can write its upper layer to: not an overlayfs itself, and with extended attributes (user.* for a non-root user, as ext4 and xfs have; Linux 5.11 or later): put FILE elsewhere)"
+        }
+        Some(libc::ENODEV) => " (this kernel has no overlayfs: modprobe overlay)",
+        _ => "",
+    }
+}
+
+/// The scratch directory's parts.
+pub fn upper(scratch: &Path) -> PathBuf {
+    scratch.join("upper")
+}
+pub fn merged(scratch: &Path) -> PathBuf {
+    scratch.join("merged")
+}
+
+/// Make the scratch directory (mode 0700): beside `--changes FILE` when given (on the
+/// filesystem the user chose for the result) unless that is an overlayfs (which cannot hold an
+/// upper layer), else in `$XDG_RUNTIME_DIR`, `/dev/shm` or the temp dir.
+pub fn make_scratch(ov: &Overlay) -> Result<PathBuf, OverlayError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let beside = ov
+        .changes
+        .as_ref()
+        .and_then(|f| f.parent().map(Path::to_owned))
+        .filter(|d| !is_overlayfs(d));
+    let base = beside
+        .or_else(|| std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from))
+        .into_iter()
+        .chain([PathBuf::from("/dev/shm"), std::env::temp_dir()])
+        .find(|d| d.is_dir() && !is_overlayfs(d))
+        .unwrap_or_else(std::env::temp_dir);
+    let name = format!(".amvm-overlay-{}", std::process::id());
+    let scratch = base.join(name);
+    let err = |e| OverlayError::Scratch(base.clone(), e);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&scratch)
+        .map_err(err)?;
+    for part in ["upper", "work", "merged"] {
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(scratch.join(part))
+            .map_err(err)?;
+    }
+    // The overlay's root takes its owner and mode from the upper directory's: make them DIR's,
+    // so /workspace is whoever's DIR is, as without the overlay.
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = std::fs::metadata(&ov.lower).map_err(err)?;
+    let up = upper(&scratch);
+    // As another user than DIR's owner this cannot change the owner; the mode still applies.
+    let _ = std::os::unix::fs::chown(&up, Some(meta.uid()), Some(meta.gid()));
+    std::fs::set_permissions(&up, std::fs::Permissions::from_mode(meta.mode() & 0o7777))
+        .map_err(err)?;
+    Ok(scratch)
+}
+
+fn is_overlayfs(dir: &Path) -> bool {
+    const OVERLAYFS_SUPER_MAGIC: libc::c_long = 0x794c_7630;
+    let Ok(c) = CString::new(dir.as_os_str().as_bytes()) else {
+        return false;
+    };
+    // SAFETY: statfs is plain data; all zeroes is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statfs(2) of a NUL-terminated path into a local.
+    let r = unsafe { libc::statfs(c.as_ptr(), &mut st) };
+    r == 0 && st.f_type as libc::c_long == OVERLAYFS_SUPER_MAGIC
+}
+
+/// Mount the overlay on `scratch/merged` in amvm's own mount namespace (after
+/// `jail::enter_namespaces`, which made it private).
+pub fn mount(ov: &Overlay, scratch: &Path) -> Result<(), OverlayError> {
+    // SAFETY: geteuid cannot fail and takes no pointers.
+    let root = unsafe { libc::geteuid() } == 0;
+    let mut opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        ov.lower.display(),
+        upper(scratch).display(),
+        scratch.join("work").display()
+    );
+    // In a user namespace overlayfs keeps its xattrs in user.overlay.* (Linux 5.11).
+    if !root {
+        opts.push_str(",userxattr");
+    }
+    let err = |error| OverlayError::Mount {
+        lower: ov.lower.clone(),
+        scratch: scratch.to_owned(),
+        error,
+    };
+    let target = CString::new(merged(scratch).as_os_str().as_bytes())
+        .map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
+    let data = CString::new(opts).map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
+    // SAFETY: mount(2) with NUL-terminated strings that outlive the call; checked.
+    let r = unsafe {
+        libc::mount(
+            c"overlay".as_ptr(),
+            target.as_ptr(),
+            c"overlay".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            data.as_ptr().cast(),
+        )
+    };
+    if r != 0 {
+        return Err(err(io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// The VMM's pid, for the supervisor's signal handler.
+static VMM_PID: AtomicI32 = AtomicI32::new(0);
+
+/// Pass a signal sent to the supervisor by a process (`kill PID`) on to the VMM. One the
+/// kernel sent (a terminal's Ctrl-C or hangup, which reached the whole foreground process group
+/// and so the VMM too) is not passed on: the VMM would count it twice.
+extern "C" fn pass_on(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    // SAFETY: the kernel hands an SA_SIGINFO handler a valid siginfo_t.
+    let code = unsafe { (*info).si_code };
+    let pid = VMM_PID.load(Ordering::Relaxed);
+    if pid > 0 && code <= 0 {
+        // SAFETY: kill(2) is async-signal-safe; plain integers.
+        unsafe { libc::kill(pid, sig) };
+    }
+}
+
+/// Run `vmm` in a child process and return its exit status as amvm's (128+N for a signal).
+/// SIGINT, SIGTERM and SIGHUP sent to the supervisor are passed on to the child ([`pass_on`]).
+pub fn supervise(vmm: impl FnOnce() -> u8) -> Result<u8, OverlayError> {
+    // SAFETY: fork(2) from amvm's main thread before it started any other thread; the child
+    // continues as an ordinary single-threaded process.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(OverlayError::Fork(io::Error::last_os_error()));
+    }
+    if pid == 0 {
+        let code = vmm();
+        use std::io::Write;
+        let _ = io::stdout().flush();
+        // SAFETY: _exit(2) ends the child with its status; nothing of the parent's runs.
+        unsafe { libc::_exit(i32::from(code)) };
+    }
+    VMM_PID.store(pid, Ordering::Relaxed);
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: sigaction is plain data; all zeroes is a valid value.
+        let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+        sa.sa_sigaction =
+            pass_on as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize;
+        sa.sa_flags = libc::SA_RESTART | libc::SA_SIGINFO;
+        // SAFETY: sigaction(2) with a handler that only calls kill(2).
+        unsafe { libc::sigaction(sig, &sa, std::ptr::null_mut()) };
+    }
+    let mut status = 0;
+    loop {
+        // SAFETY: waitpid(2) for our child into a local.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if r == pid {
+            break;
+        }
+        if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return Err(OverlayError::Fork(io::Error::last_os_error()));
+        }
+    }
+    Ok(if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status) as u8
+    } else if libc::WIFSIGNALED(status) {
+        (128 + libc::WTERMSIG(status)) as u8
+    } else {
+        crate::exit::AMVM_FAILURE
+    })
+}
+
+/// After the VMM ended: the upper layer as `--changes FILE` (written beside it, then renamed
+/// into place), then the scratch directory removed. When writing fails the scratch directory
+/// is kept and the error says where.
+pub fn finish(ov: &Overlay, scratch: &Path) -> Result<Option<LayerReport>, OverlayError> {
+    let report = match &ov.changes {
+        Some(file) => {
+            let keep = || scratch.to_owned();
+            // Written beside FILE (the same filesystem), then renamed into place: FILE is
+            // either the old one or the whole new one.
+            let mut tmp = file.as_os_str().to_owned();
+            tmp.push(format!(".amvm-{}", std::process::id()));
+            let tmp = PathBuf::from(tmp);
+            let written = (|| {
+                let out = std::fs::File::create(&tmp)
+                    .map_err(|e| OverlayError::ChangesIo(file.clone(), e, keep()))?;
+                let (out, report) = write_layer(&upper(scratch), io::BufWriter::new(out))
+                    .map_err(|e| OverlayError::Changes(file.clone(), e, keep()))?;
+                let out = out
+                    .into_inner()
+                    .map_err(|e| OverlayError::ChangesIo(file.clone(), e.into_error(), keep()))?;
+                out.sync_all()
+                    .and_then(|()| std::fs::rename(&tmp, file))
+                    .map_err(|e| OverlayError::ChangesIo(file.clone(), e, keep()))?;
+                Ok(report)
+            })();
+            if written.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            Some(written?)
+        }
+        None => None,
+    };
+    remove_scratch(scratch);
+    Ok(report)
+}
+
+/// Remove the scratch directory; overlayfs leaves its work directory without permissions, so
+/// each directory is opened up before its contents go.
+fn remove_scratch(scratch: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let mut stack = vec![scratch.to_owned()];
+    while let Some(d) = stack.pop() {
+        let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700));
+        if let Ok(entries) = std::fs::read_dir(&d) {
+            for e in entries.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    stack.push(e.path());
+                }
+            }
+        }
+    }
+    if let Err(e) = std::fs::remove_dir_all(scratch) {
+        eprintln!(
+            "amvm: could not remove the overlay's scratch directory {}: {e}",
+            scratch.display()
+        );
+    }
+}
