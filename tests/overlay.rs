@@ -211,3 +211,96 @@ fn a_symlink_out_made_in_the_guest_is_refused_when_applied() {
     );
     assert!(!copy.join("fine").exists(), "nothing applied");
 }
+
+/// `-v HOST:GUEST` is read-only (EROFS in the guest, nothing on the host changes); `:rw` writes
+/// the host directory itself.
+#[test]
+fn volumes_are_read_only_unless_rw() {
+    let base = PathBuf::from("/dev/shm").join(format!("amvm-volumes-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (ro, rw) = (base.join("ro"), base.join("rw"));
+    std::fs::create_dir_all(&ro).unwrap();
+    std::fs::create_dir_all(&rw).unwrap();
+    std::fs::write(ro.join("input"), "from the host\n").unwrap();
+    Command::new("chown")
+        .args(["-R", "1000:1000"])
+        .arg(&base)
+        .status()
+        .unwrap();
+    let (ro_arg, rw_arg) = (
+        format!("{}:/data", ro.display()),
+        format!("{}:/out:rw", rw.display()),
+    );
+    let o = run_vm(
+        &["-v", &ro_arg, "-v", &rw_arg],
+        &[
+            "sh",
+            "-c",
+            "cat /data/input; touch /data/x 2>&1 | sed 's/.*: //'; \
+             echo 'from the guest' > /out/result; mkdir /out/sub; echo done",
+        ],
+    );
+    let _cleanup = Cleanup(base.clone());
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(
+        o.stdout_str(),
+        "from the host\nRead-only file system\ndone\n",
+        "{o:?}"
+    );
+    assert_eq!(
+        std::fs::read_dir(&ro).unwrap().count(),
+        1,
+        "the ro volume was written"
+    );
+    assert_eq!(
+        std::fs::read_to_string(rw.join("result")).unwrap(),
+        "from the guest\n"
+    );
+    assert!(rw.join("sub").is_dir());
+}
+
+/// `--tmpfs` as the seed platform sets /tmp, and a small one whose size cap gives the workload
+/// ENOSPC (the run goes on); noexec holds.
+#[test]
+fn tmpfs_mounts_keep_their_size_cap_and_options() {
+    let o = run_vm(
+        &[
+            "--tmpfs",
+            "/tmp:rw,noexec,nosuid,size=64m,mode=1777",
+            "--tmpfs",
+            "/scratch:size=1m",
+        ],
+        &[
+            "sh",
+            "-c",
+            "grep -E ' /(tmp|scratch) ' /proc/mounts | cut -d' ' -f2,4; \
+             dd if=/dev/zero of=/scratch/fill bs=64k count=64 2>&1 | grep -o 'No space left on device'; \
+             echo \"scratch holds $(du -k /scratch/fill | cut -f1) KiB\"; \
+             cp /bin/true /tmp/t && /tmp/t; echo \"exec in /tmp: $?\"",
+        ],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let out = o.stdout_str();
+    assert!(
+        out.contains("/tmp rw,nosuid,nodev,noexec,relatime,size=65536k"),
+        "{out}"
+    );
+    assert!(
+        out.contains("/scratch rw,nosuid,nodev,relatime,size=1024k"),
+        "{out}"
+    );
+    assert!(out.contains("No space left on device"), "{out}");
+    assert!(
+        out.contains("scratch holds 10") || out.contains("scratch holds 9"),
+        "{out}"
+    );
+    assert!(out.contains("exec in /tmp: 126"), "{out}");
+}
+
+struct Cleanup(PathBuf);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

@@ -116,7 +116,31 @@ pub fn root(spec: &RunSpec) -> io::Result<()> {
     std::os::unix::fs::symlink("/tmp", "/var/tmp")?;
     fs::create_dir_all(TOOLS_DIR)?;
     std::os::unix::fs::symlink("/init", Path::new(TOOLS_DIR).join("amvm-connect"))?;
+    // The workload's own tmpfs mounts (`--tmpfs`), last, so one on /tmp replaces the default.
+    for t in &spec.tmpfs {
+        let path = String::from_utf8_lossy(&t.path).into_owned();
+        let (flags, data) = tmpfs_options(&String::from_utf8_lossy(&t.options));
+        fs::create_dir_all(&path).map_err(ctx(format!("making the mount point {path}")))?;
+        mount("tmpfs", &path, "tmpfs", flags, Some(&data))
+            .map_err(ctx(format!("mount tmpfs on {path} ({data})")))?;
+    }
     Ok(())
+}
+
+/// `--tmpfs` options (checked by amvm): mount flags, and the rest as tmpfs's own data. nosuid
+/// and nodev always; `noexec` and `ro` when asked.
+fn tmpfs_options(options: &str) -> (libc::c_ulong, String) {
+    let mut flags = NODEV_NOSUID;
+    let mut data = Vec::new();
+    for o in options.split(',').filter(|o| !o.is_empty()) {
+        match o {
+            "noexec" => flags |= libc::MS_NOEXEC,
+            "ro" => flags |= libc::MS_RDONLY,
+            "rw" | "exec" | "nosuid" | "nodev" => {}
+            kv => data.push(kv),
+        }
+    }
+    (flags, data.join(","))
 }
 
 /// A tmpfs `/etc` holding exactly the spec's files, then remounted read-only.

@@ -17,11 +17,12 @@
 //!
 //! Run spec layout: magic [`SPEC_MAGIC`], `uid: u32`, `gid: u32`, `flags: u32` (bit 0: egress
 //! relay, bit 1: stdin stream), `pids_max: u32`, `cwd: bytes`, `argv: list`, `env: list`, `mounts: list`,
-//! `files: list`, where `bytes` is `len: u32` followed by `len` bytes and `list` is
+//! `files: list`, `tmpfs: list`, where `bytes` is `len: u32` followed by `len` bytes and `list` is
 //! `count: u32` followed by `count` `bytes`. Environment entries are `KEY=VALUE`; a mount is
 //! `TAG NUL PATH` (a virtio-fs tag and where it goes, read-only) or `TAG NUL PATH NUL w`
 //! (mounted writable); a file is `f PATH NUL DATA`
-//! or a symlink `l PATH NUL TARGET` (what guest-init writes into `/etc` before sealing it).
+//! or a symlink `l PATH NUL TARGET` (what guest-init writes into `/etc` before sealing it); a
+//! tmpfs is `PATH NUL OPTIONS`.
 //!
 //! The VMM treats every byte from the guest as hostile: a [`FrameParser`] for
 //! [`Direction::ToHost`] rejects unknown or host-bound-only kinds and oversized frames instead of
@@ -35,7 +36,7 @@ pub const EGRESS_PORT: u32 = 1025;
 pub const STDIN_PORT: u32 = 1026;
 
 /// First bytes of an encoded run spec (the trailing digit is the version).
-pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC5";
+pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC6";
 /// Largest payload an output frame may carry.
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// Largest encoded run spec (argv and environment together; Linux allows about 2 MiB).
@@ -91,6 +92,29 @@ pub struct RunSpec {
     pub mounts: Vec<Mount>,
     /// Files and symlinks for the guest's `/etc`.
     pub files: Vec<SpecFile>,
+    /// tmpfs mounts (`--tmpfs`), made last, in order.
+    pub tmpfs: Vec<Tmpfs>,
+}
+
+/// A tmpfs the workload asked for: where, and its options (`size=`, `mode=`, `nr_inodes=`,
+/// `uid=`, `gid=` for the filesystem; `noexec`, `ro` as mount flags; nodev and nosuid always).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tmpfs {
+    pub path: Vec<u8>,
+    pub options: Vec<u8>,
+}
+
+impl Tmpfs {
+    fn encode(&self) -> Vec<u8> {
+        [&self.path[..], &[0], &self.options[..]].concat()
+    }
+    fn decode(b: &[u8]) -> Result<Self, ProtocolError> {
+        let (path, options) = split_nul(b)?;
+        Ok(Tmpfs {
+            path: path.to_vec(),
+            options: options.to_vec(),
+        })
+    }
 }
 
 /// A virtio-fs share: its tag, its absolute mount point, and whether the guest mounts it
@@ -174,7 +198,8 @@ impl RunSpec {
         put_bytes(&mut out, &self.cwd);
         let mounts: Vec<Vec<u8>> = self.mounts.iter().map(Mount::encode).collect();
         let files: Vec<Vec<u8>> = self.files.iter().map(SpecFile::encode).collect();
-        for list in [&self.argv, &self.env, &mounts, &files] {
+        let tmpfs: Vec<Vec<u8>> = self.tmpfs.iter().map(Tmpfs::encode).collect();
+        for list in [&self.argv, &self.env, &mounts, &files, &tmpfs] {
             out.extend_from_slice(&(list.len() as u32).to_le_bytes());
             for item in list {
                 put_bytes(&mut out, item);
@@ -206,6 +231,11 @@ impl RunSpec {
             .iter()
             .map(|f| SpecFile::decode(f))
             .collect::<Result<_, _>>()?;
+        let tmpfs = r
+            .list()?
+            .iter()
+            .map(|t| Tmpfs::decode(t))
+            .collect::<Result<_, _>>()?;
         if !r.buf.is_empty() {
             return Err(ProtocolError::TrailingBytes(r.buf.len()));
         }
@@ -223,6 +253,7 @@ impl RunSpec {
             pids_max,
             mounts,
             files,
+            tmpfs,
         })
     }
 }
@@ -470,6 +501,10 @@ mod tests {
                     target: b"/usr/bin/mawk".to_vec(),
                 },
             ],
+            tmpfs: vec![Tmpfs {
+                path: b"/scratch".to_vec(),
+                options: b"size=1m,noexec".to_vec(),
+            }],
         }
     }
 

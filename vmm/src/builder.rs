@@ -171,12 +171,13 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     }
     let mut backends = Vec::with_capacity(cfg.shares.len());
     let mut fs_streams = Vec::with_capacity(cfg.shares.len());
-    for (tag, dir) in &cfg.shares {
+    for (tag, dir, writable) in &cfg.shares {
         let stable = tag == crate::config::TAG_SYSTEM;
-        // The overlay's merged directory is the one share virtiofsd may write.
+        // An overlay workspace is served from its merged directory (whose writes go to the
+        // upper layer); an rw volume is the host directory itself.
         let (dir, writable) = match &overlay {
             Some(merged) if tag == crate::config::TAG_WORKSPACE => (merged, true),
-            _ => (dir, false),
+            _ => (dir, *writable),
         };
         let (backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, writable, &policy)?;
         backends.push(backend);

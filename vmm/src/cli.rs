@@ -82,6 +82,14 @@ pub struct RunArgs {
     /// never written.
     #[arg(long, value_name = "DIR[:overlay]")]
     pub workspace: Option<PathBuf>,
+    /// Share host directory HOST at GUEST, read-only unless `:rw` (which lets the guest write
+    /// HOST itself). Repeatable.
+    #[arg(short = 'v', long = "volume", value_name = "HOST:GUEST[:ro|rw]")]
+    pub volumes: Vec<String>,
+    /// Mount a tmpfs at PATH, docker's syntax: `/tmp:rw,noexec,nosuid,size=64m,mode=1777`.
+    /// Its size caps what the workload may write there (ENOSPC past it). Repeatable.
+    #[arg(long, value_name = "PATH[:OPTIONS]")]
+    pub tmpfs: Vec<String>,
     /// With `--workspace DIR:overlay`: at exit, write what the workload changed in
     /// /workspace to FILE, a tar in OCI layer form (`amvm apply FILE DIR` applies it).
     #[arg(long, value_name = "FILE")]
@@ -171,7 +179,7 @@ impl RunArgs {
             None if workspace.is_some() => config::WORKSPACE_PATH.to_string(),
             None => "/".to_string(),
         };
-        let mut shares = vec![(config::TAG_SYSTEM.to_string(), root.join("usr"))];
+        let mut shares = vec![(config::TAG_SYSTEM.to_string(), root.join("usr"), false)];
         let mut mounts = vec![Mount {
             tag: config::TAG_SYSTEM.into(),
             path: b"/usr".to_vec(),
@@ -179,13 +187,39 @@ impl RunArgs {
         }];
         if let Some(ws) = workspace {
             // With an overlay, the share is the overlay's merged directory, made at run time.
-            shares.push((config::TAG_WORKSPACE.to_string(), ws));
+            shares.push((config::TAG_WORKSPACE.to_string(), ws, overlay.is_some()));
             mounts.push(Mount {
                 tag: config::TAG_WORKSPACE.into(),
                 path: config::WORKSPACE_PATH.into(),
                 writable: overlay.is_some(),
             });
         }
+        let mut taken: Vec<String> = mounts
+            .iter()
+            .map(|m| String::from_utf8_lossy(&m.path).into_owned())
+            .collect();
+        for (i, v) in self.volumes.iter().enumerate() {
+            let (dir, guest, writable) = config::volume(v)?;
+            if taken.contains(&guest) {
+                return Err(ConfigError::Volume(
+                    v.clone(),
+                    format!("{guest} is mounted already"),
+                ));
+            }
+            taken.push(guest.clone());
+            let tag = format!("vol{i}");
+            shares.push((tag.clone(), dir, writable));
+            mounts.push(Mount {
+                tag: tag.into_bytes(),
+                path: guest.into_bytes(),
+                writable,
+            });
+        }
+        let tmpfs = self
+            .tmpfs
+            .iter()
+            .map(|t| config::tmpfs(t))
+            .collect::<Result<Vec<_>, _>>()?;
         let cache = config::cache_dir().unwrap_or_default();
         let timeout = match self.timeout {
             Some(0) => return Err(ConfigError::Timeout),
@@ -206,6 +240,7 @@ impl RunArgs {
             pids_max: self.pids,
             mounts,
             files: config::etc_files(&root, uid, gid),
+            tmpfs,
         };
         let len = spec.encode().len();
         if len > guest_init::protocol::MAX_SPEC_LEN {
@@ -333,5 +368,54 @@ mod tests {
         assert!(c.overlay.is_none() && !c.spec.mounts[1].writable);
         assert_eq!(c.spec.cwd, b"/workspace");
         assert_eq!(c.shares.len(), 2);
+        // Volumes and tmpfs mounts.
+        let c = parse(&[
+            "amvm",
+            "run",
+            "-v",
+            "/tmp:/data",
+            "-v",
+            "/etc:/cfg:rw",
+            "--tmpfs",
+            "/scratch:size=1m,noexec",
+            "--",
+            "true",
+        ])
+        .unwrap();
+        assert_eq!(
+            c.shares[1],
+            ("vol0".to_string(), PathBuf::from("/tmp"), false)
+        );
+        assert_eq!(
+            c.shares[2],
+            ("vol1".to_string(), PathBuf::from("/etc"), true)
+        );
+        assert!(c.spec.mounts[2].writable && !c.spec.mounts[1].writable);
+        assert_eq!(c.spec.tmpfs[0].path, b"/scratch");
+        for (bad, why) in [
+            (&["-v", "/tmp"][..], "say HOST:GUEST"),
+            (&["-v", "/tmp:/d:rx"][..], "mode \"rx\""),
+            (&["-v", "/nonexistent:/d"][..], "/nonexistent: No such file"),
+            (&["-v", "/tmp:relative"][..], "must be absolute"),
+            (&["-v", "/tmp:/usr/x"][..], "cannot mount over /usr/x"),
+            (&["-v", "/tmp:/a/../b"][..], "`..` component"),
+            (
+                &["-v", "/tmp:/d", "-v", "/etc:/d"][..],
+                "/d is mounted already",
+            ),
+            (
+                &["--tmpfs", "/s:size=1m,suid"][..],
+                "always mounts a tmpfs nosuid,nodev",
+            ),
+            (&["--tmpfs", "/s:bogus"][..], "unknown option"),
+            (&["--tmpfs", "/s:size=1m;rm"][..], "bad value for size"),
+            (&["--tmpfs", "/"][..], "cannot mount over /"),
+        ] {
+            let mut args = vec!["amvm", "run"];
+            args.extend_from_slice(bad);
+            args.extend_from_slice(&["--", "true"]);
+            let e = parse(&args).unwrap_err();
+            assert!(e.contains(why), "{bad:?}: {e}");
+        }
     }
 }

@@ -49,6 +49,85 @@ pub enum ConfigError {
     Overlay(PathBuf, String),
     #[error("--changes {0}: {1}")]
     Changes(PathBuf, String),
+    #[error("--tmpfs {0}: {1}")]
+    Tmpfs(String, String),
+    #[error("-v {0}: {1}")]
+    Volume(String, String),
+}
+
+/// A guest path to mount on: absolute, without `.`, `..` or empty components, and not `/` or
+/// under the system's own trees (`/usr`, `/etc`, `/proc`, `/sys`, `/dev`), which are the
+/// guest's read-only userland or the kernel's.
+pub fn guest_mount_point(p: &str) -> Result<String, String> {
+    if !p.starts_with('/') {
+        return Err("the guest path must be absolute".into());
+    }
+    let parts: Vec<&str> = p.split('/').skip(1).collect();
+    if parts
+        .iter()
+        .any(|c| c.is_empty() || *c == "." || *c == "..")
+        && p != "/"
+    {
+        return Err("the guest path has an empty, `.` or `..` component".into());
+    }
+    let top = parts.first().copied().unwrap_or("");
+    if p == "/"
+        || [
+            "usr", "etc", "proc", "sys", "dev", "bin", "sbin", "lib", "lib64",
+        ]
+        .contains(&top)
+    {
+        return Err(format!("cannot mount over {p}: it is the guest's own"));
+    }
+    Ok(p.to_string())
+}
+
+/// `--tmpfs PATH[:OPTIONS]`, docker's syntax: OPTIONS a comma list of `size=`, `mode=`,
+/// `nr_inodes=`, `uid=`, `gid=` and the flags `rw`, `ro`, `exec`, `noexec`, `nosuid`, `nodev`
+/// (amvm always mounts nosuid and nodev).
+pub fn tmpfs(arg: &str) -> Result<guest_init::protocol::Tmpfs, ConfigError> {
+    let bad = |why: String| ConfigError::Tmpfs(arg.to_string(), why);
+    let (path, options) = arg.split_once(':').unwrap_or((arg, ""));
+    let path = guest_mount_point(path).map_err(bad)?;
+    for o in options.split(',').filter(|o| !o.is_empty()) {
+        match o.split_once('=') {
+            Some((k, v)) if ["size", "mode", "nr_inodes", "uid", "gid"].contains(&k) => {
+                if v.is_empty() || !v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'%') {
+                    return Err(bad(format!("bad value for {k}: {v:?}")));
+                }
+            }
+            None if ["rw", "ro", "exec", "noexec", "nosuid", "nodev"].contains(&o) => {}
+            None if ["suid", "dev"].contains(&o) => {
+                return Err(bad(format!("{o}: amvm always mounts a tmpfs nosuid,nodev")))
+            }
+            _ => return Err(bad(format!("unknown option {o:?} (size=, mode=, nr_inodes=, uid=, gid=, rw, ro, exec, noexec, nosuid, nodev)"))),
+        }
+    }
+    Ok(guest_init::protocol::Tmpfs {
+        path: path.into_bytes(),
+        options: options.as_bytes().to_vec(),
+    })
+}
+
+/// `-v HOST:GUEST[:ro|rw]`: an existing host directory (canonical), the guest path, writable.
+pub fn volume(arg: &str) -> Result<(PathBuf, String, bool), ConfigError> {
+    let bad = |why: String| ConfigError::Volume(arg.to_string(), why);
+    let parts: Vec<&str> = arg.split(':').collect();
+    let (host, guest, writable) = match parts[..] {
+        [h, g] => (h, g, false),
+        [h, g, "ro"] => (h, g, false),
+        [h, g, "rw"] => (h, g, true),
+        [_, _, m] => return Err(bad(format!("mode {m:?}: say ro or rw"))),
+        _ => return Err(bad("say HOST:GUEST[:ro|rw]".into())),
+    };
+    let dir = Path::new(host)
+        .canonicalize()
+        .map_err(|e| bad(format!("{host}: {e}")))?;
+    if !dir.is_dir() {
+        return Err(bad(format!("{host}: not a directory")));
+    }
+    let guest = guest_mount_point(guest).map_err(bad)?;
+    Ok((dir, guest, writable))
 }
 
 /// `--workspace DIR:overlay`: the workspace writable over DIR, which is never written; the
@@ -129,8 +208,10 @@ pub struct RunConfig {
     pub seccomp: bool,
     pub timeout: Option<Duration>,
     pub spec: RunSpec,
-    /// virtio-fs shares: (tag, host directory), each served read-only by its own virtiofsd.
-    pub shares: Vec<(String, PathBuf)>,
+    /// virtio-fs shares: (tag, host directory, writable), each served by its own virtiofsd,
+    /// read-only unless writable (an `rw` volume; an overlay workspace is served from its merged
+    /// directory instead).
+    pub shares: Vec<(String, PathBuf, bool)>,
     pub virtiofsd: PathBuf,
     /// The host unix socket egress streams go to (`--egress`), and their log.
     pub egress: Option<PathBuf>,

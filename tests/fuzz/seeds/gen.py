@@ -265,12 +265,13 @@ def desc_chain():
 
 def spec(argv=(b"sh", b"-c", b"echo hi"), env=(b"PATH=/usr/bin",), cwd=b"/",
          mounts=(b"system\0/usr",), files=(b"f/etc/hosts\x00127.0.0.1 localhost\n",
-                                             b"l/etc/mtab\x00/proc/mounts")):
+                                             b"l/etc/mtab\x00/proc/mounts"),
+         tmpfs=(b"/scratch\x00size=1m,noexec",)):
     def lst(items):
         return u32(len(items)) + b"".join(u32(len(i)) + i for i in items)
 
-    return (b"AMVMSPC5" + u32(1000) + u32(1000) + u32(3) + u32(4096) +
-            u32(len(cwd)) + cwd + lst(argv) + lst(env) + lst(mounts) + lst(files))
+    return (b"AMVMSPC6" + u32(1000) + u32(1000) + u32(3) + u32(4096) +
+            u32(len(cwd)) + cwd + lst(argv) + lst(env) + lst(mounts) + lst(files) + lst(tmpfs))
 
 
 def frame(kind, payload):
