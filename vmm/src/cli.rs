@@ -40,6 +40,19 @@ pub enum Command {
     /// Exit 0 when every entry was applied, 1 when some were refused (each named on stderr)
     /// and the rest applied, 125 when nothing was applied.
     Apply(ApplyArgs),
+    /// Show CHANGES as a unified diff against DIR (`git diff --no-index` style; binary files
+    /// marked, not shown). Changes nothing.
+    Changes(ChangesArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ChangesArgs {
+    /// The directory the changes were made over (without it, every file shows as new).
+    #[arg(long, value_name = "DIR")]
+    pub base: Option<PathBuf>,
+    /// The changes: a tar file (`amvm run --changes`).
+    #[arg(value_name = "CHANGES")]
+    pub changes: PathBuf,
 }
 
 #[derive(Debug, clap::Args)]

@@ -34,6 +34,16 @@ fn main() -> ExitCode {
         Command::Run(args) => *args,
         Command::Image(cmd) => return image(cmd),
         Command::Apply(args) => return apply(args),
+        Command::Changes(args) => {
+            let mut out = std::io::stdout().lock();
+            return match amvm::changes::diff::print(&args.changes, args.base.as_deref(), &mut out) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("amvm: changes: {e}");
+                    ExitCode::from(exit::AMVM_FAILURE)
+                }
+            };
+        }
         Command::Doctor => {
             let ok = amvm::doctor::run(&mut std::io::stdout().lock());
             return if ok {
