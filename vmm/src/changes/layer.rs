@@ -66,8 +66,12 @@ pub fn write_layer<W: Write>(upper: &Path, out: W) -> Result<(W, LayerReport), L
     let mut report = LayerReport::default();
     let mut links: HashMap<(u64, u64), Vec<u8>> = HashMap::new();
     // Depth first, names sorted: (directory descriptor, its path in the layer).
-    let mut stack: Vec<(OwnedFd, Vec<u8>)> = vec![(root, Vec::new())];
-    while let Some((dir, prefix)) = stack.pop() {
+    // Directories still to walk are kept by path, not by descriptor (a directory with
+    // thousands of subdirectories must not hold thousands of descriptors open); each is opened
+    // again from the root, one component at a time, without following symlinks.
+    let mut stack: Vec<Vec<u8>> = vec![Vec::new()];
+    while let Some(prefix) = stack.pop() {
+        let dir = open_below(&root, &prefix).map_err(io_err(&prefix))?;
         let mut names = list_dir(dir.as_raw_fd()).map_err(io_err(&prefix))?;
         names.sort();
         let mut subdirs = Vec::new();
@@ -77,6 +81,15 @@ pub fn write_layer<W: Write>(upper: &Path, out: W) -> Result<(W, LayerReport), L
                 path.push(b'/');
             }
             path.extend_from_slice(name.as_bytes());
+            // amvm apply refuses such a path; leave it (and what is below it) out here, so the
+            // rest of the layer still applies.
+            if path.len() + 16 >= 4096 {
+                report.skipped.push(format!(
+                    "{}...: a path longer than PATH_MAX, left out",
+                    shown(&path[..64])
+                ));
+                continue;
+            }
             let st = stat_at(dir.as_raw_fd(), &name).map_err(io_err(&path))?;
             let mode = st.st_mode & 0o7777;
             let mtime = st.st_mtime;
@@ -118,12 +131,7 @@ pub fn write_layer<W: Write>(upper: &Path, out: W) -> Result<(W, LayerReport), L
                             .map_err(io_err(&path))?;
                         report.entries += 1;
                     }
-                    let flags =
-                        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
-                    // SAFETY: openat(2) relative to a directory we hold; checked.
-                    let sub = owned(unsafe { libc::openat(dir.as_raw_fd(), name.as_ptr(), flags) })
-                        .map_err(io_err(&path))?;
-                    subdirs.push((sub, path));
+                    subdirs.push(path);
                 }
                 libc::S_IFLNK => {
                     let target = read_link(dir.as_raw_fd(), &name).map_err(io_err(&path))?;
@@ -182,6 +190,19 @@ pub fn write_layer<W: Write>(upper: &Path, out: W) -> Result<(W, LayerReport), L
     }
     let out = tar.finish().map_err(io_err(b"the archive"))?;
     Ok((out, report))
+}
+
+/// Directory `rel` below `root` (empty: `root` itself), reached without following symlinks.
+fn open_below(root: &OwnedFd, rel: &[u8]) -> io::Result<OwnedFd> {
+    let flags = libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC;
+    // SAFETY: fcntl(2) F_DUPFD_CLOEXEC of a descriptor we hold; checked.
+    let mut cur = owned(unsafe { libc::fcntl(root.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 0) })?;
+    for c in rel.split(|&b| b == b'/').filter(|c| !c.is_empty()) {
+        let name = CString::new(c).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+        // SAFETY: openat(2) relative to a directory we hold; checked.
+        cur = owned(unsafe { libc::openat(cur.as_raw_fd(), name.as_ptr(), flags) })?;
+    }
+    Ok(cur)
 }
 
 /// The file's data as (offset, length) runs, holes left out (SEEK_DATA / SEEK_HOLE); the
@@ -453,6 +474,78 @@ mod tests {
         let sparse = std::fs::metadata(target.join("sparse")).unwrap();
         assert_eq!(sparse.len(), 64 << 20);
         assert!(sparse.blocks() * 512 < 1 << 20);
+        let _ = std::fs::remove_dir_all(&base);
+    }
+
+    /// More subdirectories in one directory than the process may hold descriptors open and a chain deeper than PATH_MAX: the first all go in, the second is left out and
+    /// reported, and the layer still applies.
+    #[test]
+    fn a_wide_and_a_too_deep_upper_directory() {
+        // Run again in a process of its own whose descriptor limit is 256 (the limit is the
+        // process's; the other tests run beside this one).
+        const LOW: &str = "AMVM_TEST_LOW_NOFILE";
+        if std::env::var_os(LOW).is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "changes::layer::tests::a_wide_and_a_too_deep_upper_directory",
+                ])
+                .args(["--test-threads=1", "--nocapture"])
+                .env(LOW, "1")
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{text}{out:?}"
+            );
+            return;
+        }
+        let lim = libc::rlimit {
+            rlim_cur: 256,
+            rlim_max: 256,
+        };
+        // SAFETY: setrlimit(2) from a local; this process is this test's alone.
+        assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+        let base = std::env::temp_dir().join(format!("amvm-layer-wide-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        let upper = base.join("upper");
+        // More subdirectories than this process may have descriptors open.
+        let wide = 300;
+        for i in 0..wide {
+            std::fs::create_dir_all(upper.join(format!("wide/d{i}"))).unwrap();
+        }
+        std::fs::write(upper.join(format!("wide/d{}/f", wide - 1)), b"last").unwrap();
+        // 20 levels of 250-byte names: over 5000 bytes, built relative to each level.
+        std::fs::create_dir_all(upper.join("deep")).unwrap();
+        let c = CString::new(upper.join("deep").as_os_str().as_bytes()).unwrap();
+        // SAFETY: open(2) of a NUL-terminated path; checked.
+        let mut fd =
+            owned(unsafe { libc::open(c.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY) }).unwrap();
+        let name = CString::new(vec![b'n'; 250]).unwrap();
+        for _ in 0..20 {
+            // SAFETY: mkdirat(2) relative to a directory we hold.
+            let r = unsafe { libc::mkdirat(fd.as_raw_fd(), name.as_ptr(), 0o755) };
+            assert_eq!(r, 0);
+            let flags = libc::O_RDONLY | libc::O_DIRECTORY;
+            // SAFETY: openat(2) relative to a directory we hold; checked by owned().
+            fd = owned(unsafe { libc::openat(fd.as_raw_fd(), name.as_ptr(), flags) }).unwrap();
+        }
+        let (bytes, report) = write_layer(&upper, Vec::new()).unwrap();
+        assert_eq!(report.skipped.len(), 1, "{:?}", report.skipped);
+        assert!(report.skipped[0].ends_with("a path longer than PATH_MAX, left out"));
+        let target = base.join("target");
+        std::fs::create_dir_all(&target).unwrap();
+        let archive = base.join("changes.tar");
+        std::fs::write(&archive, &bytes).unwrap();
+        let r = apply(&archive, &target, Options::default(), &mut |_| {}).unwrap();
+        assert_eq!(r.refused, 0);
+        assert_eq!(
+            std::fs::read_dir(target.join("wide")).unwrap().count(),
+            wide
+        );
+        let last = target.join(format!("wide/d{}/f", wide - 1));
+        assert_eq!(std::fs::read(last).unwrap(), b"last");
         let _ = std::fs::remove_dir_all(&base);
     }
 }
