@@ -72,7 +72,13 @@ pub fn make_scratch(ov: &Overlay) -> Result<PathBuf, OverlayError> {
         .chain([PathBuf::from("/dev/shm"), std::env::temp_dir()])
         .find(|d| d.is_dir() && !is_overlayfs(d))
         .unwrap_or_else(std::env::temp_dir);
-    let name = format!(".amvm-overlay-{}", std::process::id());
+    let name = format!(
+        ".amvm-overlay-{}-{:08x}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos())
+    );
     let scratch = base.join(name);
     let err = |e| OverlayError::Scratch(base.clone(), e);
     std::fs::DirBuilder::new()
@@ -167,6 +173,7 @@ extern "C" fn pass_on(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc
 /// Run `vmm` in a child process and return its exit status as amvm's (128+N for a signal).
 /// SIGINT, SIGTERM and SIGHUP sent to the supervisor are passed on to the child ([`pass_on`]).
 pub fn supervise(vmm: impl FnOnce() -> u8) -> Result<u8, OverlayError> {
+    let supervisor = std::process::id();
     // SAFETY: fork(2) from amvm's main thread before it started any other thread; the child
     // continues as an ordinary single-threaded process.
     let pid = unsafe { libc::fork() };
@@ -174,6 +181,15 @@ pub fn supervise(vmm: impl FnOnce() -> u8) -> Result<u8, OverlayError> {
         return Err(OverlayError::Fork(io::Error::last_os_error()));
     }
     if pid == 0 {
+        // The VMM dies with its supervisor (which alone writes the changes and cleans up): a
+        // supervisor killed outright leaves no VM running, and the upper layer stays on disk.
+        // SAFETY: prctl(2) with integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+        // The supervisor may have died before that took effect.
+        if std::os::unix::process::parent_id() != supervisor {
+            // SAFETY: as below.
+            unsafe { libc::_exit(i32::from(crate::exit::AMVM_FAILURE)) };
+        }
         let code = vmm();
         use std::io::Write;
         let _ = io::stdout().flush();
