@@ -351,13 +351,13 @@ fn check(r: libc::c_int) -> io::Result<()> {
     }
 }
 
-fn owned(fd: libc::c_int) -> io::Result<OwnedFd> {
+pub(super) fn owned(fd: libc::c_int) -> io::Result<OwnedFd> {
     check(fd)?;
     // SAFETY: `fd` was just returned to us and nothing else owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn stat_at(dir: RawFd, name: &CStr) -> io::Result<libc::stat> {
+pub(super) fn stat_at(dir: RawFd, name: &CStr) -> io::Result<libc::stat> {
     // SAFETY: libc::stat is plain data; all zeroes is a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstatat(2) with a NUL-terminated name into a local, not following symlinks.
@@ -833,27 +833,7 @@ mod tests {
 
         /// Every path below `root` with what it is (file contents, link target, dir), sorted.
         fn tree(root: &Path) -> Vec<String> {
-            let mut out = Vec::new();
-            let mut stack = vec![root.to_path_buf()];
-            while let Some(d) = stack.pop() {
-                for e in std::fs::read_dir(&d).unwrap() {
-                    let p = e.unwrap().path();
-                    let rel = p.strip_prefix(root).unwrap().display().to_string();
-                    let m = std::fs::symlink_metadata(&p).unwrap();
-                    let what = if m.file_type().is_symlink() {
-                        format!("-> {}", std::fs::read_link(&p).unwrap().display())
-                    } else if m.is_dir() {
-                        stack.push(p.clone());
-                        format!("dir {:o}", m.mode() & 0o7777)
-                    } else {
-                        let data = std::fs::read(&p).unwrap();
-                        format!("{:o} {}", m.mode() & 0o7777, String::from_utf8_lossy(&data))
-                    };
-                    out.push((rel.clone(), format!("{rel}: {what}")));
-                }
-            }
-            out.sort();
-            out.into_iter().map(|(_, line)| line).collect()
+            super::super::tree(root, true)
         }
 
         fn outside_untouched(&self) {

@@ -11,13 +11,13 @@
 //! holes become GNU sparse entries. FIFOs, sockets and other devices have no place in a layer
 //! and are left out, each reported.
 
-use super::apply::list_dir;
+use super::apply::{list_dir, owned, stat_at};
 use super::tar::TarWriter;
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
@@ -268,25 +268,6 @@ impl Read for ChunkReader {
     }
 }
 
-fn owned(fd: libc::c_int) -> io::Result<OwnedFd> {
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just returned to us and nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-fn stat_at(dir: RawFd, name: &CStr) -> io::Result<libc::stat> {
-    // SAFETY: libc::stat is plain data; all zeroes is a valid value.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: fstatat(2) with a NUL-terminated name into a local, not following symlinks.
-    let r = unsafe { libc::fstatat(dir, name.as_ptr(), &mut st, libc::AT_SYMLINK_NOFOLLOW) };
-    if r < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(st)
-}
-
 fn read_link(dir: RawFd, name: &CStr) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; 4096];
     // SAFETY: readlinkat(2) into a buffer of the length given.
@@ -324,30 +305,7 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
 
     fn tree(root: &Path) -> Vec<String> {
-        let mut out = Vec::new();
-        let mut stack = vec![root.to_path_buf()];
-        while let Some(d) = stack.pop() {
-            for e in std::fs::read_dir(&d).unwrap() {
-                let p = e.unwrap().path();
-                let rel = p.strip_prefix(root).unwrap().display().to_string();
-                let m = std::fs::symlink_metadata(&p).unwrap();
-                let what = if m.file_type().is_symlink() {
-                    format!("-> {}", std::fs::read_link(&p).unwrap().display())
-                } else if m.is_dir() {
-                    stack.push(p.clone());
-                    format!("dir {:o}", m.mode() & 0o7777)
-                } else {
-                    format!(
-                        "{:o} {:?}",
-                        m.mode() & 0o7777,
-                        std::fs::read(&p).unwrap().len()
-                    )
-                };
-                out.push((rel.clone(), format!("{rel}: {what}")));
-            }
-        }
-        out.sort();
-        out.into_iter().map(|x| x.1).collect()
+        super::super::tree(root, false)
     }
 
     fn whiteout(p: &Path) {

@@ -361,28 +361,15 @@ fn number(f: &[u8]) -> Option<u64> {
 
 fn check_sum(h: &[u8; BLOCK], at: u64) -> Result<(), TarError> {
     let want = number(&h[148..156]).ok_or(TarError::Checksum(at))?;
-    let unsigned: u64 = h
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| {
-            if (148..156).contains(&i) {
-                32
-            } else {
-                u64::from(b)
-            }
-        })
-        .sum();
-    let signed: i64 = h
-        .iter()
-        .enumerate()
-        .map(|(i, &b)| {
-            if (148..156).contains(&i) {
-                32
-            } else {
-                i64::from(b as i8)
-            }
-        })
-        .sum();
+    // The checksum field counts as spaces; old writers summed signed bytes.
+    let (unsigned, signed) = h.iter().enumerate().fold((0u64, 0i64), |(u, s), (i, &b)| {
+        let (bu, bs) = if (148..156).contains(&i) {
+            (32, 32)
+        } else {
+            (u64::from(b), i64::from(b as i8))
+        };
+        (u + bu, s + bs)
+    });
     if want == unsigned || i64::try_from(want).is_ok_and(|w| w == signed) {
         Ok(())
     } else {
