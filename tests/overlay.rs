@@ -86,6 +86,27 @@ impl Bed {
     }
 }
 
+impl Bed {
+    /// A copy of DIR (`cp -a`) and `amvm apply CHANGES COPY`'s outcome.
+    fn apply_to_copy(&self) -> (PathBuf, std::process::Output) {
+        let copy = self.base.join("copy");
+        let cp = Command::new("cp")
+            .arg("-a")
+            .arg(&self.dir)
+            .arg(&copy)
+            .status()
+            .unwrap();
+        assert!(cp.success());
+        let applied = Command::new(amvm_bin())
+            .arg("apply")
+            .arg(&self.changes)
+            .arg(&copy)
+            .output()
+            .unwrap();
+        (copy, applied)
+    }
+}
+
 impl Drop for Bed {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.base);
@@ -119,20 +140,7 @@ fn an_agent_edits_the_workspace_and_its_changes_reproduce_what_it_saw() {
     // DIR itself is exactly as it was.
     assert_eq!(manifest(&bed.dir), before, "DIR was written");
     // The changes, applied to a copy of DIR, give the guest's view.
-    let copy = bed.base.join("copy");
-    let cp = Command::new("cp")
-        .arg("-a")
-        .arg(&bed.dir)
-        .arg(&copy)
-        .status()
-        .unwrap();
-    assert!(cp.success());
-    let applied = Command::new(amvm_bin())
-        .args(["apply"])
-        .arg(&bed.changes)
-        .arg(&copy)
-        .output()
-        .unwrap();
+    let (copy, applied) = bed.apply_to_copy();
     assert!(applied.status.success(), "{applied:?}");
     assert_eq!(
         manifest(&copy),
@@ -158,20 +166,7 @@ fn a_guest_that_crashes_loses_nothing_it_had_written() {
     );
     assert_eq!(o.code, 125, "{o:?}");
     assert!(o.stderr.contains("its kernel panicked"), "{o:?}");
-    let copy = bed.base.join("copy");
-    assert!(Command::new("cp")
-        .arg("-a")
-        .arg(&bed.dir)
-        .arg(&copy)
-        .status()
-        .unwrap()
-        .success());
-    let applied = Command::new(amvm_bin())
-        .arg("apply")
-        .arg(&bed.changes)
-        .arg(&copy)
-        .output()
-        .unwrap();
+    let (copy, applied) = bed.apply_to_copy();
     assert!(applied.status.success(), "{applied:?}");
     assert_eq!(
         std::fs::read_to_string(copy.join("saved")).unwrap(),
@@ -189,20 +184,7 @@ fn a_symlink_out_made_in_the_guest_is_refused_when_applied() {
         "cd /workspace && ln -s /etc/shadow shadow && echo fine > fine",
     );
     assert_eq!(o.code, 0, "{o:?}");
-    let copy = bed.base.join("copy");
-    assert!(Command::new("cp")
-        .arg("-a")
-        .arg(&bed.dir)
-        .arg(&copy)
-        .status()
-        .unwrap()
-        .success());
-    let applied = Command::new(amvm_bin())
-        .arg("apply")
-        .arg(&bed.changes)
-        .arg(&copy)
-        .output()
-        .unwrap();
+    let (copy, applied) = bed.apply_to_copy();
     assert_eq!(applied.status.code(), Some(125), "{applied:?}");
     let err = String::from_utf8_lossy(&applied.stderr);
     assert!(
