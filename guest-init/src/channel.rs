@@ -23,6 +23,8 @@ pub struct Channel {
     parser: FrameParser,
     /// Signals received and not yet taken.
     signals: Vec<u8>,
+    /// A session's requests (Exec, ExecSignal, Shutdown) received and not yet taken.
+    requests: Vec<Frame>,
     /// The host closed its side (or the stream failed): nothing more will come in.
     closed: bool,
 }
@@ -48,6 +50,7 @@ impl Channel {
             buf: Vec::with_capacity(64 * 1024),
             parser: FrameParser::new(Direction::ToGuest),
             signals: Vec::new(),
+            requests: Vec::new(),
             closed: false,
         })
     }
@@ -89,20 +92,23 @@ impl Channel {
         if self.closed {
             return Incoming::Closed;
         }
-        let mut buf = [0u8; 512];
+        let mut buf = [0u8; 4096];
         match self.sock.read(&mut buf) {
             Ok(0) | Err(_) => {
                 self.closed = true;
                 Incoming::Closed
             }
             Ok(n) => {
-                let signals = &mut self.signals;
+                let (signals, requests) = (&mut self.signals, &mut self.requests);
                 if self
                     .parser
-                    .feed(&buf[..n], |f| {
-                        if let Frame::Signal(s) = f {
-                            signals.push(s);
+                    .feed(&buf[..n], |f| match f {
+                        Frame::Signal(s) => signals.push(s),
+                        f
+                        @ (Frame::Exec(_) | Frame::ExecSignal { .. } | Frame::Shutdown { .. }) => {
+                            requests.push(f)
                         }
+                        _ => {}
                     })
                     .is_err()
                 {
@@ -117,6 +123,18 @@ impl Channel {
     /// Signals the host forwarded, oldest first.
     pub fn take_signals(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.signals)
+    }
+
+    /// A session's requests, oldest first.
+    pub fn take_requests(&mut self) -> Vec<Frame> {
+        std::mem::take(&mut self.requests)
+    }
+
+    /// Tell the host that the session is set up and takes execs.
+    pub fn ready(&mut self) {
+        self.buf.clear();
+        encode_frame(FrameKind::Ready, &[], &mut self.buf);
+        self.flush_buf();
     }
 
     pub fn stdout(&mut self, data: &[u8]) {

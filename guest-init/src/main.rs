@@ -9,6 +9,7 @@ mod connect;
 mod egress;
 mod mounts;
 mod sandbox;
+mod session;
 mod sys;
 mod workload;
 
@@ -37,7 +38,9 @@ fn main() {
         }
     };
     let status = match run(&mut chan) {
-        Ok(status) => status,
+        Ok(Some(status)) => status,
+        // A session that was told to stop: everything in it has ended.
+        Ok(None) => sys::reboot(),
         Err(e) => {
             chan.stderr(format!("amvm: guest-init: {e}\n").as_bytes());
             EXIT_INIT_FAILURE
@@ -47,11 +50,13 @@ fn main() {
     sys::reboot();
 }
 
-fn run(chan: &mut channel::Channel) -> Result<u8, String> {
+/// Set the guest up and run the workload (its status), or serve a session until it stops.
+fn run(chan: &mut channel::Channel) -> Result<Option<u8>, String> {
     let mut spec = chan.run_spec()?;
     mounts::root(&spec).map_err(|e| format!("building the guest's root: {e}"))?;
     // `lo` on every run, egress or not: a workload's own servers and tests use 127.0.0.1.
     sys::loopback_up().map_err(|e| format!("bringing up the loopback interface: {e}"))?;
+    let base_env = spec.env.len();
     if spec.egress {
         let vars = egress::start().map_err(|e| format!("starting the egress relay: {e}"))?;
         spec.env.extend(
@@ -59,5 +64,11 @@ fn run(chan: &mut channel::Channel) -> Result<u8, String> {
                 .map(|(k, v)| format!("{k}={v}").into_bytes()),
         );
     }
-    workload::run(&spec, chan).map_err(|e| e.to_string())
+    if spec.session {
+        let extra = spec.env.split_off(spec.env.len().min(base_env));
+        return session::serve(spec.pids_max, extra, chan).map(|()| None);
+    }
+    workload::run(&spec, chan)
+        .map(Some)
+        .map_err(|e| e.to_string())
 }

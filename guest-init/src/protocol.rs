@@ -24,6 +24,26 @@
 //! or a symlink `l PATH NUL TARGET` (what guest-init writes into `/etc` before sealing it); a
 //! tmpfs is `PATH NUL OPTIONS`.
 //!
+//! ## Sessions (`amvm create`)
+//!
+//! A spec with the session flag (bit 2) has no argv: guest-init sets the guest up, sends one
+//! [`FrameKind::Ready`] and then runs what the host asks, many at once, until told to stop.
+//! VMM -> guest on the control stream: [`FrameKind::Exec`] (an encoded [`ExecSpec`]),
+//! [`FrameKind::ExecSignal`] (`id: u64`, `signal: u8`) and [`FrameKind::Shutdown`]
+//! (`grace_seconds: u32`). For each exec guest-init connects a stream of its own to
+//! [`EXEC_PORT`], sends [`FrameKind::Attach`] (`id: u64`) first, then the process's Stdout,
+//! Stderr and one Exit frame, and reads raw stdin bytes from the same stream (the host
+//! half-closes it at the end of stdin), so each exec's output and input flow under vsock's own
+//! credit: a slow reader slows its process, never another.
+//!
+//! Exec spec layout: magic [`EXEC_MAGIC`], `id: u64`, `uid: u32`, `gid: u32`, `flags: u32`
+//! (bit 0: stdin), `cwd: bytes`, `argv: list`, `env: list`.
+//!
+//! The API's exec streams (`amvm exec` <-> the sandbox's supervisor) use the same frames: the
+//! supervisor sends Stdout, Stderr and Exit ([`Direction::ToHost`]); the client sends
+//! [`FrameKind::Stdin`], one [`FrameKind::StdinEnd`] and [`FrameKind::Signal`]
+//! ([`Direction::ToSandbox`]).
+//!
 //! The VMM treats every byte from the guest as hostile: a [`FrameParser`] for
 //! [`Direction::ToHost`] rejects unknown or host-bound-only kinds and oversized frames instead of
 //! trusting them.
@@ -35,8 +55,13 @@ pub const EGRESS_PORT: u32 = 1025;
 /// The vsock port of the workload's stdin (published only with `-i`).
 pub const STDIN_PORT: u32 = 1026;
 
+/// The vsock port each exec stream of a session connects to.
+pub const EXEC_PORT: u32 = 1027;
+
 /// First bytes of an encoded run spec (the trailing digit is the version).
-pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC6";
+pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC7";
+/// First bytes of an encoded exec spec.
+pub const EXEC_MAGIC: &[u8; 8] = b"AMVMEXE1";
 /// Largest payload an output frame may carry.
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// Largest encoded run spec (argv and environment together; Linux allows about 2 MiB).
@@ -71,6 +96,8 @@ pub enum ProtocolError {
     WrongDirection(FrameKind),
     #[error("run spec of {0} bytes exceeds the {MAX_SPEC_LEN}-byte limit")]
     SpecTooLarge(usize),
+    #[error("{0:?} frame with a {1}-byte payload (want {2})")]
+    BadFixedFrame(FrameKind, usize, usize),
 }
 
 /// What the workload is and how to run it.
@@ -94,6 +121,70 @@ pub struct RunSpec {
     pub files: Vec<SpecFile>,
     /// tmpfs mounts (`--tmpfs`), made last, in order.
     pub tmpfs: Vec<Tmpfs>,
+    /// A session (`amvm create`): no argv; guest-init runs [`ExecSpec`]s until told to stop.
+    pub session: bool,
+}
+
+/// One process a session runs ([`FrameKind::Exec`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecSpec {
+    /// The host's name for it, echoed in [`FrameKind::Attach`] and [`FrameKind::ExecSignal`].
+    pub id: u64,
+    pub argv: Vec<Vec<u8>>,
+    pub env: Vec<Vec<u8>>,
+    pub cwd: Vec<u8>,
+    pub uid: u32,
+    pub gid: u32,
+    /// Its stdin is the exec stream's host-to-guest bytes; otherwise /dev/null.
+    pub stdin: bool,
+}
+
+impl ExecSpec {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(128);
+        out.extend_from_slice(EXEC_MAGIC);
+        out.extend_from_slice(&self.id.to_le_bytes());
+        out.extend_from_slice(&self.uid.to_le_bytes());
+        out.extend_from_slice(&self.gid.to_le_bytes());
+        out.extend_from_slice(&u32::from(self.stdin).to_le_bytes());
+        put_bytes(&mut out, &self.cwd);
+        for list in [&self.argv, &self.env] {
+            out.extend_from_slice(&(list.len() as u32).to_le_bytes());
+            for item in list {
+                put_bytes(&mut out, item);
+            }
+        }
+        out
+    }
+
+    pub fn decode(buf: &[u8]) -> Result<Self, ProtocolError> {
+        let mut r = Reader { buf };
+        if r.take(EXEC_MAGIC.len())? != EXEC_MAGIC {
+            return Err(ProtocolError::BadMagic);
+        }
+        let id = r.u64()?;
+        let uid = r.u32()?;
+        let gid = r.u32()?;
+        let flags = r.u32()?;
+        let cwd = r.bytes()?.to_vec();
+        let argv = r.list()?;
+        let env = r.list()?;
+        if !r.buf.is_empty() {
+            return Err(ProtocolError::TrailingBytes(r.buf.len()));
+        }
+        if argv.is_empty() {
+            return Err(ProtocolError::EmptyArgv);
+        }
+        Ok(ExecSpec {
+            id,
+            argv,
+            env,
+            cwd,
+            uid,
+            gid,
+            stdin: flags & 1 != 0,
+        })
+    }
 }
 
 /// A tmpfs the workload asked for: where, and its options (`size=`, `mode=`, `nr_inodes=`,
@@ -183,6 +274,7 @@ impl SpecFile {
 
 const FLAG_EGRESS: u32 = 1;
 const FLAG_STDIN: u32 = 2;
+const FLAG_SESSION: u32 = 4;
 
 impl RunSpec {
     /// Serialize to the layout in the module docs.
@@ -191,8 +283,9 @@ impl RunSpec {
         out.extend_from_slice(SPEC_MAGIC);
         out.extend_from_slice(&self.uid.to_le_bytes());
         out.extend_from_slice(&self.gid.to_le_bytes());
-        let flags =
-            if self.egress { FLAG_EGRESS } else { 0 } | if self.stdin { FLAG_STDIN } else { 0 };
+        let flags = if self.egress { FLAG_EGRESS } else { 0 }
+            | if self.stdin { FLAG_STDIN } else { 0 }
+            | if self.session { FLAG_SESSION } else { 0 };
         out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&self.pids_max.to_le_bytes());
         put_bytes(&mut out, &self.cwd);
@@ -239,7 +332,8 @@ impl RunSpec {
         if !r.buf.is_empty() {
             return Err(ProtocolError::TrailingBytes(r.buf.len()));
         }
-        if argv.is_empty() {
+        let session = flags & FLAG_SESSION != 0;
+        if argv.is_empty() && !session {
             return Err(ProtocolError::EmptyArgv);
         }
         Ok(RunSpec {
@@ -254,6 +348,7 @@ impl RunSpec {
             mounts,
             files,
             tmpfs,
+            session,
         })
     }
 }
@@ -280,6 +375,10 @@ impl<'a> Reader<'a> {
         let b = self.take(4)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
+    fn u64(&mut self) -> Result<u64, ProtocolError> {
+        let b = self.take(8)?;
+        Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
     fn bytes(&mut self) -> Result<&'a [u8], ProtocolError> {
         let n = self.u32()? as usize;
         self.take(n)
@@ -300,8 +399,15 @@ pub enum FrameKind {
     Stdout = 1,
     Stderr = 2,
     Exit = 3,
+    Ready = 4,
+    Attach = 5,
     Spec = 16,
     Signal = 17,
+    Exec = 18,
+    ExecSignal = 19,
+    Shutdown = 20,
+    Stdin = 32,
+    StdinEnd = 33,
 }
 
 /// Which way frames flow; a parser accepts only its direction's kinds.
@@ -309,28 +415,47 @@ pub enum FrameKind {
 pub enum Direction {
     /// guest -> VMM: Stdout, Stderr, Exit.
     ToHost,
-    /// VMM -> guest: Spec, Signal.
+    /// VMM -> guest: Spec, Signal, Exec, ExecSignal, Shutdown.
     ToGuest,
+    /// An API client -> a sandbox's supervisor: Stdin, StdinEnd, Signal.
+    ToSandbox,
 }
 
 impl FrameKind {
-    fn direction(self) -> Direction {
+    fn directions(self) -> &'static [Direction] {
+        use Direction::*;
         match self {
-            FrameKind::Stdout | FrameKind::Stderr | FrameKind::Exit => Direction::ToHost,
-            FrameKind::Spec | FrameKind::Signal => Direction::ToGuest,
+            FrameKind::Stdout
+            | FrameKind::Stderr
+            | FrameKind::Exit
+            | FrameKind::Ready
+            | FrameKind::Attach => &[ToHost],
+            FrameKind::Spec | FrameKind::Exec | FrameKind::ExecSignal | FrameKind::Shutdown => {
+                &[ToGuest]
+            }
+            FrameKind::Signal => &[ToGuest, ToSandbox],
+            FrameKind::Stdin | FrameKind::StdinEnd => &[ToSandbox],
         }
     }
 
     /// Check a header's length against what this kind may carry.
     fn check_len(self, len: usize) -> Result<(), ProtocolError> {
         match self {
-            FrameKind::Stdout | FrameKind::Stderr if len > MAX_FRAME_PAYLOAD => {
+            FrameKind::Stdout | FrameKind::Stderr | FrameKind::Stdin if len > MAX_FRAME_PAYLOAD => {
                 Err(ProtocolError::FrameTooLarge(len))
             }
-            FrameKind::Spec if len > MAX_SPEC_LEN => Err(ProtocolError::SpecTooLarge(len)),
+            FrameKind::Spec | FrameKind::Exec if len > MAX_SPEC_LEN => {
+                Err(ProtocolError::SpecTooLarge(len))
+            }
             FrameKind::Exit | FrameKind::Signal if len != 1 => {
                 Err(ProtocolError::BadByteFrame(self, len))
             }
+            FrameKind::Ready | FrameKind::StdinEnd if len != 0 => {
+                Err(ProtocolError::BadFixedFrame(self, len, 0))
+            }
+            FrameKind::Attach if len != 8 => Err(ProtocolError::BadFixedFrame(self, len, 8)),
+            FrameKind::ExecSignal if len != 9 => Err(ProtocolError::BadFixedFrame(self, len, 9)),
+            FrameKind::Shutdown if len != 4 => Err(ProtocolError::BadFixedFrame(self, len, 4)),
             _ => Ok(()),
         }
     }
@@ -343,8 +468,15 @@ impl TryFrom<u8> for FrameKind {
             1 => Ok(FrameKind::Stdout),
             2 => Ok(FrameKind::Stderr),
             3 => Ok(FrameKind::Exit),
+            4 => Ok(FrameKind::Ready),
+            5 => Ok(FrameKind::Attach),
             16 => Ok(FrameKind::Spec),
             17 => Ok(FrameKind::Signal),
+            18 => Ok(FrameKind::Exec),
+            19 => Ok(FrameKind::ExecSignal),
+            20 => Ok(FrameKind::Shutdown),
+            32 => Ok(FrameKind::Stdin),
+            33 => Ok(FrameKind::StdinEnd),
             other => Err(ProtocolError::UnknownFrameKind(other)),
         }
     }
@@ -370,14 +502,34 @@ pub fn encode_chunks(kind: FrameKind, data: &[u8], out: &mut Vec<u8>) {
     }
 }
 
+/// The first 8 bytes of `p` (which `check_len` made sure are there), little-endian.
+fn le_u64(p: &[u8]) -> u64 {
+    u64::from_le_bytes(p[..8].try_into().expect("checked length"))
+}
+
+/// An [`FrameKind::ExecSignal`] payload.
+pub fn exec_signal_payload(id: u64, signal: u8) -> [u8; 9] {
+    let mut p = [0u8; 9];
+    p[..8].copy_from_slice(&id.to_le_bytes());
+    p[8] = signal;
+    p
+}
+
 /// One decoded frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
     Stdout(Vec<u8>),
     Stderr(Vec<u8>),
     Exit(u8),
+    Ready,
+    Attach(u64),
     Spec(Vec<u8>),
     Signal(u8),
+    Exec(Vec<u8>),
+    ExecSignal { id: u64, signal: u8 },
+    Shutdown { grace_seconds: u32 },
+    Stdin(Vec<u8>),
+    StdinEnd,
 }
 
 /// Incremental frame decoder: bytes go in as they arrive (in any pieces), whole frames come out.
@@ -421,7 +573,7 @@ impl FrameParser {
                         let h = std::mem::take(&mut self.header);
                         let len = u32::from_le_bytes([h[1], h[2], h[3], h[4]]) as usize;
                         let parsed = FrameKind::try_from(h[0]).and_then(|k| {
-                            if k.direction() != self.direction {
+                            if !k.directions().contains(&self.direction) {
                                 return Err(ProtocolError::WrongDirection(k));
                             }
                             k.check_len(len).map(|()| k)
@@ -450,8 +602,20 @@ impl FrameParser {
                         FrameKind::Stdout => Frame::Stdout(p),
                         FrameKind::Stderr => Frame::Stderr(p),
                         FrameKind::Exit => Frame::Exit(p[0]),
+                        FrameKind::Ready => Frame::Ready,
+                        FrameKind::Attach => Frame::Attach(le_u64(&p)),
                         FrameKind::Spec => Frame::Spec(p),
                         FrameKind::Signal => Frame::Signal(p[0]),
+                        FrameKind::Exec => Frame::Exec(p),
+                        FrameKind::ExecSignal => Frame::ExecSignal {
+                            id: le_u64(&p),
+                            signal: p[8],
+                        },
+                        FrameKind::Shutdown => Frame::Shutdown {
+                            grace_seconds: u32::from_le_bytes([p[0], p[1], p[2], p[3]]),
+                        },
+                        FrameKind::Stdin => Frame::Stdin(p),
+                        FrameKind::StdinEnd => Frame::StdinEnd,
                     });
                 }
             }
@@ -505,6 +669,7 @@ mod tests {
                 path: b"/scratch".to_vec(),
                 options: b"size=1m,noexec".to_vec(),
             }],
+            session: false,
         }
     }
 
@@ -651,5 +816,108 @@ mod tests {
             ),
             Err(ProtocolError::SpecTooLarge(MAX_SPEC_LEN + 1))
         );
+    }
+
+    fn exec_spec() -> ExecSpec {
+        ExecSpec {
+            id: u64::MAX - 3,
+            argv: vec![b"sh".to_vec(), b"-c".to_vec(), b"cat".to_vec()],
+            env: vec![b"A=\xff".to_vec()],
+            cwd: b"/workspace".to_vec(),
+            uid: 1000,
+            gid: 1000,
+            stdin: true,
+        }
+    }
+
+    #[test]
+    fn a_session_spec_may_have_no_argv_and_an_exec_spec_round_trips() {
+        let s = RunSpec {
+            argv: vec![],
+            session: true,
+            ..spec()
+        };
+        assert_eq!(RunSpec::decode(&s.encode()).unwrap(), s);
+        let e = exec_spec();
+        let enc = e.encode();
+        assert_eq!(ExecSpec::decode(&enc).unwrap(), e);
+        for n in 0..enc.len() {
+            assert!(ExecSpec::decode(&enc[..n]).is_err(), "prefix {n} accepted");
+        }
+        let empty = ExecSpec {
+            argv: vec![],
+            ..exec_spec()
+        };
+        assert_eq!(
+            ExecSpec::decode(&empty.encode()),
+            Err(ProtocolError::EmptyArgv)
+        );
+        // A run spec is not an exec spec.
+        assert_eq!(
+            ExecSpec::decode(&spec().encode()),
+            Err(ProtocolError::BadMagic)
+        );
+    }
+
+    #[test]
+    fn session_frames_parse_in_their_directions_only() {
+        let mut to_guest = Vec::new();
+        encode_frame(FrameKind::Exec, &exec_spec().encode(), &mut to_guest);
+        encode_frame(
+            FrameKind::ExecSignal,
+            &exec_signal_payload(7, 2),
+            &mut to_guest,
+        );
+        encode_frame(FrameKind::Shutdown, &9u32.to_le_bytes(), &mut to_guest);
+        let mut p = FrameParser::new(Direction::ToGuest);
+        let mut got = Vec::new();
+        for b in &to_guest {
+            p.feed(std::slice::from_ref(b), |f| got.push(f)).unwrap();
+        }
+        assert_eq!(got[0], Frame::Exec(exec_spec().encode()));
+        assert_eq!(got[1], Frame::ExecSignal { id: 7, signal: 2 });
+        assert_eq!(got[2], Frame::Shutdown { grace_seconds: 9 });
+
+        let mut to_host = Vec::new();
+        encode_frame(FrameKind::Ready, &[], &mut to_host);
+        encode_frame(FrameKind::Attach, &42u64.to_le_bytes(), &mut to_host);
+        let mut got = Vec::new();
+        FrameParser::new(Direction::ToHost)
+            .feed(&to_host, |f| got.push(f))
+            .unwrap();
+        assert_eq!(got, vec![Frame::Ready, Frame::Attach(42)]);
+
+        let mut to_sandbox = Vec::new();
+        encode_frame(FrameKind::Stdin, b"abc", &mut to_sandbox);
+        encode_frame(FrameKind::Signal, &[2], &mut to_sandbox);
+        encode_frame(FrameKind::StdinEnd, &[], &mut to_sandbox);
+        let mut got = Vec::new();
+        FrameParser::new(Direction::ToSandbox)
+            .feed(&to_sandbox, |f| got.push(f))
+            .unwrap();
+        assert_eq!(
+            got,
+            vec![
+                Frame::Stdin(b"abc".to_vec()),
+                Frame::Signal(2),
+                Frame::StdinEnd
+            ]
+        );
+
+        // Wrong sizes and wrong directions: a guest cannot send Exec, a client cannot send
+        // Exec or Attach.
+        for (dir, wire) in [
+            (Direction::ToHost, [5u8, 7, 0, 0, 0]),
+            (Direction::ToHost, [4, 1, 0, 0, 0]),
+            (Direction::ToGuest, [19, 8, 0, 0, 0]),
+            (Direction::ToGuest, [20, 0, 0, 0, 0]),
+            (Direction::ToHost, [18, 0, 0, 0, 0]),
+            (Direction::ToSandbox, [18, 0, 0, 0, 0]),
+            (Direction::ToSandbox, [5, 8, 0, 0, 0]),
+            (Direction::ToGuest, [32, 0, 0, 0, 0]),
+        ] {
+            let r = FrameParser::new(dir).feed(&wire, |f| panic!("accepted {f:?}"));
+            assert!(r.is_err(), "{dir:?} {wire:?}");
+        }
     }
 }

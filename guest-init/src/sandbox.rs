@@ -66,6 +66,22 @@ impl Cgroup {
         Ok(Cgroup { procs })
     }
 
+    /// The `cgroup.procs` a child writes "0" to, to join.
+    pub fn procs(&self) -> &File {
+        &self.procs
+    }
+
+    /// A cgroup of its own below the workload's, for one exec of a session: its processes
+    /// count against the workload's `pids.max`, and [`ExecCgroup::kill`] ends all of them.
+    pub fn exec(&self, id: u64) -> io::Result<ExecCgroup> {
+        let path = format!("{CGROUP}/e{id}");
+        fs::create_dir(&path)?;
+        let procs = fs::OpenOptions::new()
+            .write(true)
+            .open(format!("{path}/cgroup.procs"))?;
+        Ok(ExecCgroup { path, procs })
+    }
+
     /// How many of its processes any OOM killer has killed (`memory.events`, `oom_kill`).
     pub fn oom_kills(&self) -> u64 {
         let events = fs::read_to_string(format!("{CGROUP}/memory.events")).unwrap_or_default();
@@ -74,6 +90,31 @@ impl Cgroup {
             .find_map(|l| l.strip_prefix("oom_kill "))
             .and_then(|n| n.trim().parse().ok())
             .unwrap_or(0)
+    }
+}
+
+/// One exec's cgroup (`/sys/fs/cgroup/workload/eID`), removed when dropped.
+pub struct ExecCgroup {
+    path: String,
+    procs: File,
+}
+
+impl ExecCgroup {
+    pub fn procs(&self) -> &File {
+        &self.procs
+    }
+
+    /// SIGKILL every process left in it (`cgroup.kill`).
+    pub fn kill(&self) {
+        let _ = fs::write(format!("{}/cgroup.kill", self.path), "1");
+    }
+}
+
+impl Drop for ExecCgroup {
+    fn drop(&mut self) {
+        // Busy while a killed process is not yet reaped: then the next exec's drop, or none
+        // (an empty cgroup costs a directory).
+        let _ = fs::remove_dir(&self.path);
     }
 }
 
@@ -87,13 +128,14 @@ pub struct Confinement {
 }
 
 impl Confinement {
-    pub fn new(cgroup: &Cgroup, uid: u32, gid: u32) -> Self {
+    /// Confinement into the cgroup whose `cgroup.procs` is `procs`, as `uid`:`gid`.
+    pub fn new(procs: &File, uid: u32, gid: u32) -> Self {
         let last_cap = fs::read_to_string("/proc/sys/kernel/cap_last_cap")
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(63);
         Confinement {
-            procs_fd: cgroup.procs.as_raw_fd(),
+            procs_fd: procs.as_raw_fd(),
             uid,
             gid,
             last_cap,

@@ -33,16 +33,7 @@ pub enum WorkloadError {
 }
 
 pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
-    let mut cmd = Command::new(OsStr::from_bytes(&spec.argv[0]));
-    cmd.args(spec.argv[1..].iter().map(|a| OsStr::from_bytes(a)));
-    cmd.env_clear();
-    for kv in &spec.env {
-        let (k, v) = match kv.iter().position(|&b| b == b'=') {
-            Some(i) => (&kv[..i], &kv[i + 1..]),
-            None => (&kv[..], &b""[..]),
-        };
-        cmd.env(OsStr::from_bytes(k), OsStr::from_bytes(v));
-    }
+    let mut cmd = command(&spec.argv, &spec.env);
     prepare_home(spec);
     // A working directory the user cannot enter would surface as a spawn error that reads like
     // the command's; check it as the workload's user first and say what is wrong.
@@ -63,7 +54,7 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let cgroup = Cgroup::create(spec.pids_max).map_err(WorkloadError::Cgroup)?;
     // Built before the fork: the child may not allocate.
-    let confinement = Confinement::new(&cgroup, spec.uid, spec.gid);
+    let confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
     // SAFETY: the hook runs between fork and exec and only makes async-signal-safe system calls
     // on memory built before the fork (see `Confinement::enter`).
     unsafe { cmd.pre_exec(move || confinement.enter()) };
@@ -71,14 +62,8 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
-            let (status, why) = match e.raw_os_error() {
-                Some(libc::ENOENT) => (127, "command not found".to_string()),
-                Some(libc::EACCES) | Some(libc::ENOEXEC) | Some(libc::EISDIR) => {
-                    (126, format!("cannot execute: {e}"))
-                }
-                _ => (126, format!("cannot start: {e}")),
-            };
-            chan.stderr(format!("amvm: {name}: {why}\n").as_bytes());
+            let (status, why) = spawn_failure(&name, &e);
+            chan.stderr(why.as_bytes());
             return Ok(status);
         }
     };
@@ -101,12 +86,50 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     Ok(status)
 }
 
+/// `argv` with exactly the environment `env` (`KEY=VALUE` entries).
+pub(crate) fn command(argv: &[Vec<u8>], env: &[Vec<u8>]) -> Command {
+    let mut cmd = Command::new(OsStr::from_bytes(&argv[0]));
+    cmd.args(argv[1..].iter().map(|a| OsStr::from_bytes(a)));
+    cmd.env_clear();
+    for kv in env {
+        let (k, v) = match kv.iter().position(|&b| b == b'=') {
+            Some(i) => (&kv[..i], &kv[i + 1..]),
+            None => (&kv[..], &b""[..]),
+        };
+        cmd.env(OsStr::from_bytes(k), OsStr::from_bytes(v));
+    }
+    cmd
+}
+
+/// The exit status and the stderr line for a command that could not be started.
+pub(crate) fn spawn_failure(name: &str, e: &io::Error) -> (u8, String) {
+    let (status, why) = match e.raw_os_error() {
+        Some(libc::ENOENT) => (127, "command not found".to_string()),
+        Some(libc::EACCES) | Some(libc::ENOEXEC) | Some(libc::EISDIR) => {
+            (126, format!("cannot execute: {e}"))
+        }
+        _ => (126, format!("cannot start: {e}")),
+    };
+    (status, format!("amvm: {name}: {why}\n"))
+}
+
+/// The shell-convention status of a `waitpid` status: the code, or 128+N for signal N.
+pub(crate) fn status_byte(wstatus: libc::c_int) -> Option<u8> {
+    if libc::WIFEXITED(wstatus) {
+        Some(libc::WEXITSTATUS(wstatus) as u8)
+    } else if libc::WIFSIGNALED(wstatus) {
+        Some((128 + libc::WTERMSIG(wstatus)) as u8)
+    } else {
+        None
+    }
+}
+
 /// amvm's own failure status (design.md): the workload could not be started as asked.
-const EXIT_SETUP_FAILURE: u8 = 125;
+pub(crate) const EXIT_SETUP_FAILURE: u8 = 125;
 
 /// Whether `uid`/`gid` may enter directory `dir` (search permission on it and every parent),
 /// checked with the file-system ids switched to them for the duration of the check.
-fn can_enter(dir: &[u8], uid: u32, gid: u32) -> io::Result<()> {
+pub(crate) fn can_enter(dir: &[u8], uid: u32, gid: u32) -> io::Result<()> {
     let path =
         std::ffi::CString::new(dir).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     if !std::path::Path::new(OsStr::from_bytes(dir)).is_dir() {
@@ -137,12 +160,17 @@ fn can_enter(dir: &[u8], uid: u32, gid: u32) -> io::Result<()> {
 
 /// Give the workload a `$HOME` it owns (on the in-memory root; it vanishes with the VM).
 fn prepare_home(spec: &RunSpec) {
-    let Some(home) = spec.env.iter().find_map(|kv| kv.strip_prefix(b"HOME=")) else {
+    prepare_home_for(&spec.env, spec.uid, spec.gid);
+}
+
+/// Create `$HOME` of `env` for `uid`:`gid` when it does not exist yet.
+pub(crate) fn prepare_home_for(env: &[Vec<u8>], uid: u32, gid: u32) {
+    let Some(home) = env.iter().find_map(|kv| kv.strip_prefix(b"HOME=")) else {
         return;
     };
     let home = std::path::Path::new(OsStr::from_bytes(home));
     if home.is_absolute() && !home.exists() && std::fs::create_dir_all(home).is_ok() {
-        let _ = std::os::unix::fs::chown(home, Some(spec.uid), Some(spec.gid));
+        let _ = std::os::unix::fs::chown(home, Some(uid), Some(gid));
     }
 }
 
@@ -245,13 +273,9 @@ fn reap(pid: libc::pid_t) -> Option<u8> {
             return found;
         }
         if r == pid {
-            found = Some(if libc::WIFEXITED(wstatus) {
-                libc::WEXITSTATUS(wstatus) as u8
-            } else if libc::WIFSIGNALED(wstatus) {
-                (128 + libc::WTERMSIG(wstatus)) as u8
-            } else {
-                continue;
-            });
+            if let Some(s) = status_byte(wstatus) {
+                found = Some(s);
+            }
         }
     }
 }

@@ -212,14 +212,19 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
         legacy::I8042_PORTS,
         Arc::new(Mutex::new(reset)),
     )?;
-    let (ports, control) = crate::control::start(
-        &policy,
-        report.clone(),
-        egress,
-        &cfg.spec.encode(),
-        cfg.spec.stdin,
-    )
-    .map_err(RunError::Control)?;
+    let (ports, control) = match &cfg.session {
+        // A session: the control and exec streams go to its supervisor, which speaks the
+        // protocol (sandbox/); this process only moves their bytes.
+        Some(_) => crate::control::session(egress),
+        None => crate::control::start(
+            &policy,
+            report.clone(),
+            egress,
+            &cfg.spec.encode(),
+            cfg.spec.stdin,
+        )
+        .map_err(RunError::Control)?,
+    };
     let p = policy.clone();
     policy.expect_thread();
     let vsock = VsockDevice::with_thread_hook(
@@ -267,7 +272,14 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     // into an empty root (jail.rs), then drops its capabilities (as root, virtiofsd's sandbox
     // took what it needed from ours at exec: with no_new_privs an exec cannot gain any). The
     // threads started above dropped their own as they filtered themselves (seccomp.rs).
-    crate::jail::enter_empty_root(cfg.egress.as_deref())?;
+    let mut sockets = Vec::with_capacity(2);
+    if let Some(e) = &cfg.egress {
+        sockets.push((e.as_path(), crate::jail::EGRESS_IN_ROOT));
+    }
+    if let Some(g) = &cfg.session {
+        sockets.push((g.as_path(), crate::jail::GUEST_IN_ROOT));
+    }
+    crate::jail::enter_empty_root(&sockets)?;
     crate::jail::drop_capabilities()?;
     t.mark("in the empty root, capabilities dropped");
     let cmdline = boot::cmdline(cfg.console, &virtio_entries)?;
@@ -362,6 +374,10 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
         .iter()
         .find_map(|r| r.as_ref().err().map(ToString::to_string));
     let report = report.lock().unwrap_or_else(|p| p.into_inner());
+    if cfg.session.is_some() && failure.is_none() && reset_evt.0.read().is_ok() {
+        // A session ends with guest-init's reboot once its supervisor said stop (or left).
+        return Ok(0);
+    }
     match (report.exit, failure) {
         (Some(code), _) => Ok(code),
         (None, _) if forwarded.is_some() => Err(RunError::Interrupted {

@@ -27,6 +27,42 @@ pub struct Cli {
 pub enum Command {
     /// Run COMMAND in a fresh microVM; exit with its status.
     Run(Box<RunArgs>),
+    /// Boot a sandbox that stays up (until `amvm stop` or its --timeout) and print its id.
+    Create(Box<CreateArgs>),
+    /// Run COMMAND in a running sandbox; exit with its status.
+    Exec(ExecArgs),
+    /// List this user's sandboxes.
+    Ls {
+        /// One JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print a sandbox's configuration and state as JSON.
+    Inspect {
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+    },
+    /// Stop a sandbox: its processes get SIGTERM, then SIGKILL after --time seconds.
+    Stop {
+        /// Seconds between SIGTERM and SIGKILL.
+        #[arg(short = 't', long = "time", value_name = "SECS", default_value_t = 10)]
+        time: u32,
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+    },
+    /// Remove stopped sandboxes (with -f, running ones too: killed at once).
+    Rm {
+        /// Kill a running sandbox first.
+        #[arg(short = 'f', long)]
+        force: bool,
+        #[arg(required = true, value_name = "SANDBOX")]
+        sandboxes: Vec<String>,
+    },
+    /// Wait until a sandbox stops; print its state.
+    Wait {
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+    },
     /// List or remove built system images (`--system NAME`); recipes build them
     /// (images/harness/build).
     #[command(subcommand)]
@@ -90,6 +126,62 @@ pub enum ImageCommand {
 
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// Forward stdin to the workload.
+    #[arg(short = 'i', long)]
+    pub interactive: bool,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+impl RunArgs {
+    /// Validate everything that can be checked without touching the host.
+    pub fn into_config(self) -> Result<RunConfig, ConfigError> {
+        self.vm.into_config(self.command, self.interactive, None)
+    }
+}
+
+/// `amvm create`: a sandbox that stays up and runs `amvm exec`s.
+#[derive(Debug, clap::Args)]
+pub struct CreateArgs {
+    #[command(flatten)]
+    pub vm: VmArgs,
+    /// A name for the sandbox, usable wherever its id is (unique among this user's sandboxes).
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+    /// A label, shown by `amvm inspect` and `amvm ls --json`. Repeatable.
+    #[arg(long = "label", value_name = "KEY=VAL")]
+    pub labels: Vec<String>,
+}
+
+/// `amvm exec`.
+#[derive(Debug, clap::Args)]
+pub struct ExecArgs {
+    /// Forward stdin to the command.
+    #[arg(short = 'i', long)]
+    pub interactive: bool,
+    /// Set an environment variable (on top of the sandbox's own). Repeatable.
+    #[arg(short = 'e', long = "env", value_name = "KEY=VAL")]
+    pub env: Vec<String>,
+    /// Working directory inside the guest (default: the sandbox's).
+    #[arg(short = 'w', long = "workdir", value_name = "DIR")]
+    pub workdir: Option<String>,
+    /// UID[:GID] the command runs as (default: the sandbox's).
+    #[arg(long, value_name = "UID[:GID]")]
+    pub user: Option<String>,
+    /// The sandbox's id or name.
+    #[arg(value_name = "SANDBOX")]
+    pub sandbox: String,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
+    pub command: Vec<OsString>,
+}
+
+/// The VM and the workload's defaults, shared by `run` and `create`.
+#[derive(Debug, clap::Args)]
+pub struct VmArgs {
     /// Share DIR at /workspace (the default working directory): read-only, or with
     /// `DIR:overlay` writable, the writes going to a layer on the host while DIR itself is
     /// never written.
@@ -143,9 +235,6 @@ pub struct RunArgs {
     /// UID[:GID] the workload runs as.
     #[arg(long, value_name = "UID[:GID]", default_value = "1000:1000")]
     pub user: String,
-    /// Forward stdin to the workload.
-    #[arg(short = 'i', long)]
-    pub interactive: bool,
     /// Show the guest's kernel log on stderr.
     #[arg(long)]
     pub console: bool,
@@ -162,14 +251,17 @@ pub struct RunArgs {
     /// for untrusted code (docs/threat-model.md).
     #[arg(long)]
     pub no_seccomp: bool,
-    /// The command and its arguments.
-    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
-    pub command: Vec<OsString>,
 }
 
-impl RunArgs {
-    /// Validate everything that can be checked without touching the host.
-    pub fn into_config(self) -> Result<RunConfig, ConfigError> {
+impl VmArgs {
+    /// Validate everything that can be checked without touching the host. `session`: the
+    /// supervisor socket of a sandbox (`amvm create`; then `command` is empty).
+    pub fn into_config(
+        self,
+        command: Vec<OsString>,
+        interactive: bool,
+        session: Option<PathBuf>,
+    ) -> Result<RunConfig, ConfigError> {
         let root = config::system_root(&self.system)?;
         let (workspace, overlay) = match self.workspace.as_deref() {
             Some(w) => {
@@ -239,21 +331,18 @@ impl RunArgs {
             t => t.map(Duration::from_secs),
         };
         let spec = RunSpec {
-            argv: self
-                .command
-                .into_iter()
-                .map(OsStringExt::into_vec)
-                .collect(),
+            argv: command.into_iter().map(OsStringExt::into_vec).collect(),
             env: config::workload_env(uid, &self.env)?,
             cwd: cwd.into_bytes(),
             uid,
             gid,
             egress: self.egress.is_some(),
-            stdin: self.interactive,
+            stdin: interactive,
             pids_max: self.pids,
             mounts,
             files: config::etc_files(&root, uid, gid),
             tmpfs,
+            session: session.is_some(),
         };
         let len = spec.encode().len();
         if len > guest_init::protocol::MAX_SPEC_LEN {
@@ -278,6 +367,7 @@ impl RunArgs {
             egress: self.egress,
             egress_log: self.egress_log,
             overlay,
+            session,
             shares,
             virtiofsd: crate::fs::virtiofsd_path(&cache),
         })

@@ -218,6 +218,9 @@ pub struct RunConfig {
     pub egress_log: Option<PathBuf>,
     /// `--workspace DIR:overlay`.
     pub overlay: Option<Overlay>,
+    /// A session (`amvm create`): the unix socket of its supervisor, which the guest's control
+    /// and exec streams connect to (`spec.session` is set too).
+    pub session: Option<PathBuf>,
 }
 
 /// Where `images/setup`, run as root, also installs the guest kernel and virtiofsd, for every

@@ -18,7 +18,9 @@ use crate::seccomp::{Policy, ThreadKind};
 use amvm_devices::vsock::connection::HostStream;
 use amvm_devices::vsock::muxer::Backend;
 use amvm_egress::{Egress, EgressStream};
-use guest_init::protocol::{encode_frame, FrameKind, CONTROL_PORT, EGRESS_PORT, STDIN_PORT};
+use guest_init::protocol::{
+    encode_frame, FrameKind, CONTROL_PORT, EGRESS_PORT, EXEC_PORT, STDIN_PORT,
+};
 use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::UnixStream;
@@ -34,7 +36,16 @@ pub struct Ports {
     /// The device's end of the stdin stream (`-i` only), until guest-init connects (once).
     stdin: Option<UnixStream>,
     egress: Option<Egress>,
+    /// A session: the control stream (once) and every exec stream connect to the supervisor's
+    /// socket, at [`GUEST_IN_ROOT`](crate::jail::GUEST_IN_ROOT) once amvm is in its empty root.
+    session: bool,
+    control_opened: bool,
 }
+
+/// The first byte the VMM writes on each stream it opens to a session's supervisor: which port
+/// the guest connected to. The supervisor trusts it (it comes from the VMM, not the guest).
+pub const SESSION_TAG_CONTROL: u8 = b'C';
+pub const SESSION_TAG_EXEC: u8 = b'E';
 
 /// The VMM's side of the control channel: forwards signals to the workload.
 #[derive(Debug)]
@@ -91,7 +102,23 @@ impl Backend for Ports {
                     io::Error::new(io::ErrorKind::AddrInUse, format!("{what} is already open"))
                 })
         };
+        let to_supervisor = |tag: u8| -> io::Result<PortStream> {
+            let mut sock = UnixStream::connect(crate::jail::GUEST_IN_ROOT)?;
+            sock.write_all(&[tag])?;
+            sock.set_nonblocking(true)?;
+            Ok(PortStream { sock, egress: None })
+        };
         match port {
+            CONTROL_PORT if self.session => Some(if self.control_opened {
+                Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    "the control channel is already open",
+                ))
+            } else {
+                self.control_opened = true;
+                to_supervisor(SESSION_TAG_CONTROL)
+            }),
+            EXEC_PORT if self.session => Some(to_supervisor(SESSION_TAG_EXEC)),
             CONTROL_PORT => Some(once(&mut self.control, "the control channel")),
             STDIN_PORT if self.stdin.is_some() => Some(once(&mut self.stdin, "the stdin stream")),
             EGRESS_PORT => self.egress.as_mut().map(|e| {
@@ -116,6 +143,22 @@ impl Backend for Ports {
             egress.close(e, counts, error);
         }
     }
+}
+
+/// A session's ports: control and exec streams go to its supervisor; no control threads here
+/// (the returned [`Control`] forwards nothing: the supervisor signals execs itself).
+pub fn session(egress: Option<Egress>) -> (Ports, Control) {
+    let (tx, _) = mpsc::channel();
+    (
+        Ports {
+            control: None,
+            stdin: None,
+            egress,
+            session: true,
+            control_opened: false,
+        },
+        Control { tx },
+    )
 }
 
 /// Start the control channel's threads (and, with `stdin`, the stdin copier); returns the ports
@@ -219,6 +262,8 @@ pub fn start(
             control: Some(device_end),
             stdin,
             egress,
+            session: false,
+            control_opened: false,
         },
         Control { tx },
     ))

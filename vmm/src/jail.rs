@@ -21,6 +21,8 @@ use std::path::Path;
 
 /// Where the egress socket is once amvm is in its empty root ([`enter_empty_root`]).
 pub const EGRESS_IN_ROOT: &str = "/egress.sock";
+/// Where a session's socket to its supervisor (exec and control streams) appears in the root.
+pub const GUEST_IN_ROOT: &str = "/guest.sock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
@@ -91,7 +93,8 @@ pub fn detached_tmpfs(options: &[(&CStr, &CStr)]) -> io::Result<OwnedFd> {
 }
 
 /// Leave the host's tree for good: pivot into a new, read-only tmpfs root that holds only the
-/// egress socket (`egress`, as the user named it, bound in at [`EGRESS_IN_ROOT`]), and detach
+/// `sockets` (each `(host path as the user named it, path in the root)`: the egress socket at
+/// [`EGRESS_IN_ROOT`], a session's supervisor socket at [`GUEST_IN_ROOT`]), and detach
 /// the old root from amvm's mount namespace. Call once nothing needs a path any more: the
 /// kernel loaded, every virtiofsd past its handshake (so in a mount namespace of its own; a
 /// process still in ours would be moved too), and before capabilities are dropped (mounting
@@ -101,27 +104,24 @@ pub fn detached_tmpfs(options: &[(&CStr, &CStr)]) -> io::Result<OwnedFd> {
 /// The socket is bound by inode: streams reach the socket amvm checked at start. An egress
 /// proxy that re-creates its socket while a run lasts is not reached by later streams (each
 /// fails, and the guest sees a reset).
-pub fn enter_empty_root(egress: Option<&Path>) -> Result<(), JailError> {
+pub fn enter_empty_root(sockets: &[(&Path, &str)]) -> Result<(), JailError> {
     use std::os::unix::ffi::OsStrExt;
     let step = |step: &'static str| move |source| JailError::EmptyRoot { step, source };
     const OPEN_TREE_CLONE: libc::c_uint = 1;
     const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
-    // The socket first, while its path still means what the user meant: a bind mount of it,
-    // not yet attached anywhere (open_tree follows symlinks in the path, as connect(2) does).
-    let socket = match egress {
-        Some(path) => {
-            let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-                step("the egress socket's path")(io::ErrorKind::InvalidInput.into())
-            })?;
-            let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
-            // SAFETY: open_tree(2) with a NUL-terminated path; the result is checked.
-            let r =
-                unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, c.as_ptr(), flags) };
-            Some(owned(r).map_err(step("binding the egress socket"))?)
-        }
-        None => None,
-    };
-    let root = detached_tmpfs(&[(c"mode", c"0500"), (c"size", c"4k"), (c"nr_inodes", c"4")])
+    // The sockets first, while their paths still mean what the user meant: a bind mount of
+    // each, not yet attached anywhere (open_tree follows symlinks in the path, as connect(2)
+    // does).
+    let mut bound = Vec::with_capacity(sockets.len());
+    for &(path, in_root) in sockets {
+        let c = std::ffi::CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| step("a socket's path")(io::ErrorKind::InvalidInput.into()))?;
+        let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
+        // SAFETY: open_tree(2) with a NUL-terminated path; the result is checked.
+        let r = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, c.as_ptr(), flags) };
+        bound.push((owned(r).map_err(step("binding a socket"))?, in_root));
+    }
+    let root = detached_tmpfs(&[(c"mode", c"0500"), (c"size", c"4k"), (c"nr_inodes", c"8")])
         .map_err(step("a tmpfs for the new root"))?;
     // pivot_root(2) wants the new root attached in our tree: over /dev, which amvm no longer
     // needs (/dev/kvm is open) and which exists wherever /dev/kvm does. Only amvm's own,
@@ -138,14 +138,13 @@ pub fn enter_empty_root(egress: Option<&Path>) -> Result<(), JailError> {
         )
     })
     .map_err(step("attaching the new root"))?;
-    if let Some(socket) = socket {
-        let name = &EGRESS_IN_ROOT[1..];
-        let name = std::ffi::CString::new(name).expect("a literal without NUL");
+    for (socket, in_root) in bound {
+        let name = std::ffi::CString::new(&in_root[1..]).expect("a literal without NUL");
         let flags = libc::O_CREAT | libc::O_EXCL | libc::O_RDONLY | libc::O_CLOEXEC;
         // SAFETY: openat(2) relative to the new root with a NUL-terminated name; checked.
         let point =
             owned(unsafe { libc::openat(root.as_raw_fd(), name.as_ptr(), flags, 0o600) }.into())
-                .map_err(step("a mount point for the egress socket"))?;
+                .map_err(step("a mount point for a socket"))?;
         drop(point);
         // SAFETY: move_mount(2) of the socket's detached bind mount onto the file just made,
         // named relative to the new root; the result is checked.
@@ -159,7 +158,7 @@ pub fn enter_empty_root(egress: Option<&Path>) -> Result<(), JailError> {
                 MOVE_MOUNT_F_EMPTY_PATH,
             )
         })
-        .map_err(step("attaching the egress socket"))?;
+        .map_err(step("attaching a socket"))?;
     }
     let flags = libc::O_DIRECTORY | libc::O_PATH | libc::O_CLOEXEC;
     // SAFETY: open(2) of a literal path; the result is checked.

@@ -17,6 +17,7 @@ pub mod image;
 pub mod jail;
 pub mod output;
 pub mod overlay;
+pub mod sandbox;
 pub mod seccomp;
 pub mod signals;
 pub mod vstate;

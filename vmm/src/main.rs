@@ -44,6 +44,52 @@ fn main() -> ExitCode {
                 }
             };
         }
+        Command::Create(args) => {
+            return sandbox_result(amvm::sandbox::supervisor::create(*args).map(|id| {
+                println!("{id}");
+                ExitCode::SUCCESS
+            }))
+        }
+        Command::Exec(args) => {
+            return sandbox_result(amvm::sandbox::commands::exec(args).map(|code| {
+                let _ = std::io::stdout().flush();
+                ExitCode::from(code)
+            }))
+        }
+        Command::Ls { json } => {
+            let r = amvm::sandbox::commands::ls(json, &mut std::io::stdout().lock());
+            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+        }
+        Command::Inspect { sandbox } => {
+            let r = amvm::sandbox::client::Sandbox::open(&sandbox)
+                .and_then(|sb| sb.info())
+                .and_then(|i| {
+                    amvm::sandbox::commands::print_info(&i, &mut std::io::stdout().lock())
+                });
+            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+        }
+        Command::Stop { time, sandbox } => {
+            let r = amvm::sandbox::client::Sandbox::open(&sandbox).and_then(|sb| sb.stop(time));
+            return sandbox_result(r.map(|i| {
+                println!("{}", i.id);
+                ExitCode::SUCCESS
+            }));
+        }
+        Command::Wait { sandbox } => {
+            let r = amvm::sandbox::client::Sandbox::open(&sandbox)
+                .and_then(|sb| sb.wait())
+                .and_then(|i| {
+                    amvm::sandbox::commands::print_info(&i, &mut std::io::stdout().lock())
+                });
+            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+        }
+        Command::Rm { force, sandboxes } => {
+            return if amvm::sandbox::commands::rm(force, &sandboxes) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(exit::AMVM_FAILURE)
+            };
+        }
         Command::Doctor => {
             let ok = amvm::doctor::run(&mut std::io::stdout().lock());
             return if ok {
@@ -199,6 +245,14 @@ fn apply(args: amvm::cli::ApplyArgs) -> ExitCode {
             ExitCode::from(exit::AMVM_FAILURE)
         }
     }
+}
+
+/// A sandbox command's end: its own status, or one line and 125.
+fn sandbox_result(r: Result<ExitCode, amvm::sandbox::SandboxError>) -> ExitCode {
+    r.unwrap_or_else(|e| {
+        eprintln!("amvm: {e}");
+        ExitCode::from(exit::AMVM_FAILURE)
+    })
 }
 
 /// clap's own help/version go to stdout with 0; any usage error is one line and 125.

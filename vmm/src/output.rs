@@ -53,8 +53,9 @@ impl<O: Write, E: Write> Write for ChannelSink<O, E> {
                     lock(report).exit.get_or_insert(code);
                     Ok(())
                 }
-                // The ToHost parser never yields these.
-                Frame::Spec(_) | Frame::Signal(_) => Ok(()),
+                // Session frames mean nothing in a one-shot run; the ToHost parser yields no
+                // others.
+                _ => Ok(()),
             };
         });
         if let Err(e) = fed {

@@ -1,0 +1,362 @@
+//! A session (`amvm create`): guest-init stays up and runs the execs the host asks for, many at
+//! once, each confined as a one-shot workload is (sandbox.rs), until the host says stop.
+//!
+//! The main thread owns the control channel and reaping: it reads Exec, ExecSignal and
+//! Shutdown frames, and reaps every child (PID 1 inherits orphans), handing each exec's status
+//! to the thread that runs it. One thread per exec: it connects its own vsock stream to
+//! [`EXEC_PORT`], announces itself with an Attach frame, spawns the process in a cgroup of its
+//! own, relays its stdout and stderr as frames and the stream's raw bytes to its stdin, and
+//! ends with an Exit frame. Each stream flows under its own vsock credit, so a process whose
+//! reader is slow blocks in its own write and no other exec notices.
+//!
+//! When an exec's process exits, whatever it left running is killed (its cgroup's
+//! `cgroup.kill`), so an exec ends with its process as a one-shot run does.
+
+use crate::channel::{vsock_connect, Channel, Incoming, HOST_CID};
+use crate::sandbox::{Cgroup, Confinement};
+use crate::workload::{can_enter, command, prepare_home_for, spawn_failure, status_byte};
+use guest_init::protocol::{encode_chunks, encode_frame, ExecSpec, Frame, FrameKind, EXEC_PORT};
+use std::collections::HashMap;
+use std::ffi::OsStr;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::process::Stdio;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How often the main loop reaps, and an exec's relay checks for its status.
+const TICK_MS: i32 = 50;
+
+/// The running execs: who to tell when a process exits, and whom a signal is for.
+#[derive(Default)]
+struct Procs {
+    by_pid: HashMap<libc::pid_t, mpsc::Sender<u8>>,
+    by_id: HashMap<u64, libc::pid_t>,
+}
+
+struct Shared {
+    /// Held across spawn and registration, and by the reaper around waitpid: a process that
+    /// exits at once is still reaped into its exec's channel, never lost.
+    procs: Mutex<Procs>,
+    /// Exec threads that have not yet sent their Exit frame.
+    active: Mutex<usize>,
+    cgroup: Cgroup,
+    /// Variables every exec gets on top of its own (the egress relay's addresses).
+    extra_env: Vec<Vec<u8>>,
+}
+
+/// Serve the session until the host asks it to stop (or goes away); then every process is
+/// gone and the caller reboots.
+pub fn serve(pids_max: u32, extra_env: Vec<Vec<u8>>, chan: &mut Channel) -> Result<(), String> {
+    let cgroup = Cgroup::create(pids_max).map_err(|e| format!("the workload's cgroup: {e}"))?;
+    let shared = Arc::new(Shared {
+        procs: Mutex::new(Procs::default()),
+        active: Mutex::new(0),
+        cgroup,
+        extra_env,
+    });
+    chan.ready();
+    loop {
+        let mut pfd = libc::pollfd {
+            fd: chan.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, TICK_MS) };
+        if n > 0 && pfd.revents != 0 {
+            if let Incoming::Closed = chan.receive() {
+                // The host is gone: nobody can use the sandbox any more.
+                stop(&shared, Duration::ZERO);
+                return Ok(());
+            }
+        }
+        for req in chan.take_requests() {
+            match req {
+                Frame::Exec(raw) => match ExecSpec::decode(&raw) {
+                    Ok(spec) => start(spec, &shared),
+                    Err(e) => eprintln!("guest-init: an exec spec: {e}"),
+                },
+                Frame::ExecSignal { id, signal } => {
+                    let procs = lock(&shared.procs);
+                    if let (Some(&pid), 1..=64) = (procs.by_id.get(&id), signal) {
+                        // SAFETY: kill(2) with plain integers, to the exec's process group (it
+                        // leads its own session); a vanished group gives ESRCH.
+                        unsafe { libc::kill(-pid, libc::c_int::from(signal)) };
+                    }
+                }
+                Frame::Shutdown { grace_seconds } => {
+                    stop(&shared, Duration::from_secs(u64::from(grace_seconds)));
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+        reap(&shared);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Reap every exited child; tell the exec threads whose process it was. Whether any child
+/// remains.
+fn reap(shared: &Shared) -> bool {
+    let mut procs = lock(&shared.procs);
+    loop {
+        let mut wstatus = 0;
+        // SAFETY: waitpid with a valid pointer to an int.
+        let r = unsafe { libc::waitpid(-1, &mut wstatus, libc::WNOHANG) };
+        if r < 0 {
+            return false;
+        }
+        if r == 0 {
+            return true;
+        }
+        if let Some(status) = status_byte(wstatus) {
+            if let Some(tx) = procs.by_pid.remove(&r) {
+                procs.by_id.retain(|_, p| *p != r);
+                let _ = tx.send(status);
+            }
+        }
+    }
+}
+
+/// SIGTERM everything, wait up to `grace` for it to end, SIGKILL what is left, and give the
+/// exec threads a moment to send their Exit frames.
+fn stop(shared: &Shared, grace: Duration) {
+    let signal_all = |sig| {
+        // SAFETY: kill(-1, sig) from PID 1 signals every other process; no memory involved.
+        unsafe { libc::kill(-1, sig) };
+    };
+    signal_all(libc::SIGTERM);
+    let end = Instant::now() + grace;
+    while reap(shared) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(TICK_MS as u64));
+    }
+    signal_all(libc::SIGKILL);
+    let end = Instant::now() + Duration::from_secs(2);
+    while (reap(shared) || *lock(&shared.active) > 0) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn start(spec: ExecSpec, shared: &Arc<Shared>) {
+    *lock(&shared.active) += 1;
+    let s = shared.clone();
+    let spawned = std::thread::Builder::new()
+        .name(format!("exec{}", spec.id))
+        .spawn(move || {
+            if let Err(e) = exec(&spec, &s) {
+                eprintln!("guest-init: exec {}: {e}", spec.id);
+            }
+            *lock(&s.active) -= 1;
+        });
+    if let Err(e) = spawned {
+        eprintln!("guest-init: starting an exec thread: {e}");
+        *lock(&shared.active) -= 1;
+    }
+}
+
+/// The exec's stream to the host: frames out.
+struct Stream {
+    sock: File,
+    buf: Vec<u8>,
+}
+
+impl Stream {
+    fn send(&mut self, kind: FrameKind, data: &[u8]) -> io::Result<()> {
+        self.buf.clear();
+        if matches!(kind, FrameKind::Stdout | FrameKind::Stderr) {
+            encode_chunks(kind, data, &mut self.buf);
+        } else {
+            encode_frame(kind, data, &mut self.buf);
+        }
+        self.sock.write_all(&self.buf)
+    }
+}
+
+fn exec(spec: &ExecSpec, shared: &Shared) -> io::Result<()> {
+    let sock = File::from(vsock_connect(HOST_CID, EXEC_PORT)?);
+    let mut stream = Stream {
+        sock,
+        buf: Vec::with_capacity(64 * 1024 + 16),
+    };
+    stream.send(FrameKind::Attach, &spec.id.to_le_bytes())?;
+    let (status, stdin_thread) = run(spec, shared, &mut stream)?;
+    stream.send(FrameKind::Exit, &[status])?;
+    // The same handshake as the control channel's: the host closes the stream once it has
+    // read the Exit frame. Until then, the stdin copier (or this loop) drains what it sends.
+    // SAFETY: shutdown(2) on a socket descriptor we own.
+    unsafe { libc::shutdown(stream.sock.as_raw_fd(), libc::SHUT_WR) };
+    match stdin_thread {
+        Some(t) => {
+            let _ = t.join();
+        }
+        None => {
+            let mut sink = [0u8; 4096];
+            while matches!(stream.sock.read(&mut sink), Ok(n) if n > 0) {}
+        }
+    }
+    Ok(())
+}
+
+/// Spawn the exec's process and relay it to the end; its status, and the stdin copier.
+fn run(
+    spec: &ExecSpec,
+    shared: &Shared,
+    stream: &mut Stream,
+) -> io::Result<(u8, Option<std::thread::JoinHandle<()>>)> {
+    let mut env = spec.env.clone();
+    for kv in &shared.extra_env {
+        let key = &kv[..=kv.iter().position(|&b| b == b'=').unwrap_or(kv.len() - 1)];
+        if !env.iter().any(|e| e.starts_with(key)) {
+            env.push(kv.clone());
+        }
+    }
+    prepare_home_for(&env, spec.uid, spec.gid);
+    if let Err(e) = can_enter(&spec.cwd, spec.uid, spec.gid) {
+        let cwd = String::from_utf8_lossy(&spec.cwd);
+        let msg = format!("amvm: cannot enter the working directory {cwd}: {e}\n");
+        stream.send(FrameKind::Stderr, msg.as_bytes())?;
+        return Ok((crate::workload::EXIT_SETUP_FAILURE, None));
+    }
+    let cgroup = match shared.cgroup.exec(spec.id) {
+        Ok(c) => c,
+        Err(e) => {
+            let msg = format!("amvm: the exec's cgroup: {e}\n");
+            stream.send(FrameKind::Stderr, msg.as_bytes())?;
+            return Ok((crate::workload::EXIT_SETUP_FAILURE, None));
+        }
+    };
+    let mut cmd = command(&spec.argv, &env);
+    cmd.current_dir(OsStr::from_bytes(&spec.cwd));
+    cmd.stdin(if spec.stdin {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    });
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
+    // SAFETY: the hook runs between fork and exec and only makes async-signal-safe system calls
+    // on memory built before the fork (see `Confinement::enter`).
+    unsafe { cmd.pre_exec(move || confinement.enter()) };
+    let oom_before = shared.cgroup.oom_kills();
+    let (tx, rx) = mpsc::channel();
+    let mut child = {
+        let mut procs = lock(&shared.procs);
+        match cmd.spawn() {
+            Ok(child) => {
+                let pid = child.id() as libc::pid_t;
+                procs.by_pid.insert(pid, tx);
+                procs.by_id.insert(spec.id, pid);
+                child
+            }
+            Err(e) => {
+                drop(procs);
+                let (status, why) = spawn_failure(&String::from_utf8_lossy(&spec.argv[0]), &e);
+                stream.send(FrameKind::Stderr, why.as_bytes())?;
+                return Ok((status, None));
+            }
+        }
+    };
+    let stdin_thread = match child.stdin.take() {
+        Some(mut to) => {
+            let mut from = stream.sock.try_clone()?;
+            Some(
+                std::thread::Builder::new()
+                    .name("exec-stdin".into())
+                    .spawn(move || {
+                        // Ends at the host's EOF (the process then sees EOF), or when the
+                        // process is gone and the host closes the stream.
+                        let mut buf = vec![0u8; 64 * 1024];
+                        loop {
+                            match from.read(&mut buf) {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => {
+                                    if to.write_all(&buf[..n]).is_err() {
+                                        // Nobody reads stdin any more: drain until the end.
+                                        while matches!(from.read(&mut buf), Ok(n) if n > 0) {}
+                                        return;
+                                    }
+                                }
+                            }
+                        }
+                    })?,
+            )
+        }
+        None => None,
+    };
+    let mut out = child.stdout.take().expect("piped stdout");
+    let mut err = child.stderr.take().expect("piped stderr");
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut open = [true, true];
+    let mut status: Option<u8> = None;
+    loop {
+        if status.is_none() {
+            if let Ok(s) = rx.try_recv() {
+                status = Some(s);
+                cgroup.kill();
+            }
+        }
+        if !open[0] && !open[1] {
+            if let Some(s) = status {
+                if s == 128 + libc::SIGKILL as u8 && shared.cgroup.oom_kills() > oom_before {
+                    stream.send(FrameKind::Stderr, b"amvm: killed: out of memory\n")?;
+                }
+                return Ok((s, stdin_thread));
+            }
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: if open[0] { out.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if open[1] { err.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, TICK_MS) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        for (i, pfd) in fds.iter().enumerate() {
+            if !open[i] || pfd.revents == 0 {
+                continue;
+            }
+            let r = if i == 0 {
+                out.read(&mut buf)
+            } else {
+                err.read(&mut buf)
+            };
+            let kind = if i == 0 {
+                FrameKind::Stdout
+            } else {
+                FrameKind::Stderr
+            };
+            match r {
+                Ok(0) | Err(_) => open[i] = false,
+                Ok(n) => {
+                    if let Err(e) = stream.send(kind, &buf[..n]) {
+                        // The host is gone: the process goes too.
+                        cgroup.kill();
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+}

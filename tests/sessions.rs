@@ -1,0 +1,491 @@
+//! Long-lived sandboxes: `amvm create`, then many `amvm exec`s in the same VM, `ls`, `inspect`,
+//! `stop`, `rm`, `wait`. Each test keeps its sandboxes in a state directory of its own
+//! (`XDG_RUNTIME_DIR`), and checks that what it removed left nothing behind.
+
+use amvm_tests::{amvm_bin, leftovers, require_kvm, Outcome};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A test's own sandbox world: its state directory, removed (with anything still running in
+/// it killed by `rm -f`) at the end.
+struct World {
+    xdg: PathBuf,
+}
+
+impl World {
+    fn new(name: &str) -> World {
+        require_kvm();
+        let xdg = std::env::temp_dir().join(format!("amvm-sessions-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&xdg);
+        std::fs::create_dir_all(&xdg).unwrap();
+        World { xdg }
+    }
+
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(amvm_bin());
+        c.args(args)
+            .env("XDG_RUNTIME_DIR", &self.xdg)
+            .stdin(Stdio::null());
+        c
+    }
+
+    fn amvm(&self, args: &[&str]) -> Outcome {
+        Outcome::from(self.cmd(args).output().expect("spawning amvm"))
+    }
+
+    /// `amvm exec` with `input` on its stdin (`-i`).
+    fn exec_with_stdin(&self, sandbox: &str, input: &[u8], command: &[&str]) -> Outcome {
+        let mut args = vec!["exec", "-i", sandbox, "--"];
+        args.extend_from_slice(command);
+        let mut child = self
+            .cmd(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let input = input.to_vec();
+        let writer = std::thread::spawn(move || {
+            let _ = stdin.write_all(&input);
+        });
+        let out = child.wait_with_output().unwrap();
+        writer.join().unwrap();
+        Outcome::from(out)
+    }
+
+    /// Create a sandbox (with a hang guard); its id.
+    fn create(&self, opts: &[&str]) -> String {
+        let mut args = vec!["create", "--timeout", "900"];
+        args.extend_from_slice(opts);
+        let out = self.amvm(&args);
+        assert_eq!(out.code, 0, "create {opts:?}: {}", out.stderr);
+        let id = out.stdout_str().trim().to_string();
+        assert!(
+            id.len() == 12 && id.bytes().all(|b| b.is_ascii_hexdigit()),
+            "an id: {id:?}"
+        );
+        id
+    }
+
+    fn exec(&self, sandbox: &str, command: &[&str]) -> Outcome {
+        let mut args = vec!["exec", sandbox, "--"];
+        args.extend_from_slice(command);
+        self.amvm(&args)
+    }
+
+    fn inspect(&self, sandbox: &str) -> serde_json::Value {
+        let out = self.amvm(&["inspect", sandbox]);
+        assert_eq!(out.code, 0, "inspect: {}", out.stderr);
+        serde_json::from_slice(&out.stdout).expect("inspect prints JSON")
+    }
+
+    fn sandbox_dir(&self, id: &str) -> PathBuf {
+        self.xdg.join("amvm").join(id)
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        let ls = self.amvm(&["ls", "--json"]);
+        if let Ok(serde_json::Value::Array(all)) = serde_json::from_slice(&ls.stdout) {
+            for s in all {
+                if let Some(id) = s["id"].as_str() {
+                    let _ = self.amvm(&["rm", "-f", id]);
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.xdg);
+    }
+}
+
+/// Within a few seconds, no process mentions `needle` (a sandbox's workspace: its virtiofsd;
+/// its state directory: its supervisor and VMM).
+fn no_process_with(needle: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let found = leftovers::processes_with(needle);
+        if found.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < until, "left behind: {found:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// A process whose environment holds `AMVM_SANDBOX_DIR=dir` (the supervisor and the VMM).
+fn processes_of(dir: &Path) -> Vec<u32> {
+    let want = format!("AMVM_SANDBOX_DIR={}", dir.display());
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if let Ok(env) = std::fs::read(e.path().join("environ")) {
+            if env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
+                found.push(pid);
+            }
+        }
+    }
+    found
+}
+
+fn one_line(out: &Outcome) -> &str {
+    let err = out.stderr.trim_end();
+    assert_eq!(err.lines().count(), 1, "one line: {err:?}");
+    err
+}
+
+#[test]
+fn state_persists_between_execs_and_each_exec_has_its_own_streams_and_status() {
+    let w = World::new("persist");
+    let id = w.create(&["--name", "persist", "--mem", "256", "-e", "GREETING=hi"]);
+    // A file written by one exec is read by the next; the sandbox's -e reaches every exec.
+    let out = w.exec(
+        "persist",
+        &["sh", "-c", "echo $GREETING > /tmp/state; echo written"],
+    );
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "written\n"),
+        "{}",
+        out.stderr
+    );
+    let out = w.exec(&id, &["cat", "/tmp/state"]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "hi\n"),
+        "{}",
+        out.stderr
+    );
+    // stdout and stderr apart, the status exact, the user the sandbox's (1000) unless asked.
+    let out = w.exec(&id, &["sh", "-c", "id -u; echo oops >&2; exit 42"]);
+    assert_eq!(out.code, 42);
+    assert_eq!(
+        (out.stdout_str().as_str(), out.stderr.as_str()),
+        ("1000\n", "oops\n")
+    );
+    let out = w.amvm(&[
+        "exec",
+        "--user",
+        "0:0",
+        "-e",
+        "X=y",
+        "-w",
+        "/tmp",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "id -u; echo $X; pwd",
+    ]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "0\ny\n/tmp\n"),
+        "{}",
+        out.stderr
+    );
+    let out = w.exec(&id, &["sh", "-c", "kill -TERM $$"]);
+    assert_eq!(out.code, 128 + 15);
+    let out = w.exec(&id, &["no-such-command"]);
+    assert_eq!(out.code, 127, "{}", out.stderr);
+    // stdin, byte-exact: 3 MiB of a pattern through `cat`, back out.
+    let input: Vec<u8> = (0..3 << 20)
+        .map(|i: u32| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let out = w.exec_with_stdin(&id, &input, &["cat"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout == input,
+        "stdin came back as {} bytes, not the {} sent",
+        out.stdout.len(),
+        input.len()
+    );
+    let info = w.inspect("persist");
+    assert_eq!(info["state"], "running");
+    assert_eq!(info["id"], id.as_str());
+    assert_eq!(info["name"], "persist");
+    assert_eq!(info["execs"], 7);
+    assert!(info["vmm_pid"].as_u64().unwrap() > 0);
+}
+
+#[test]
+fn eight_concurrent_execs_are_byte_exact_with_their_own_status() {
+    let w = World::new("eight");
+    let id = w.create(&["--mem", "256"]);
+    let threads: Vec<_> = (1..=8u8)
+        .map(|i| {
+            let (id, xdg) = (id.clone(), w.xdg.clone());
+            std::thread::spawn(move || {
+                // Each writes its own 1 MiB (its line repeated) and exits with its own status.
+                let script = format!("yes exec-{i}-output-line | head -c 1048576; exit {i}");
+                let out = Command::new(amvm_bin())
+                    .args(["exec", &id, "--", "sh", "-c", &script])
+                    .env("XDG_RUNTIME_DIR", &xdg)
+                    .stdin(Stdio::null())
+                    .output()
+                    .unwrap();
+                (i, Outcome::from(out))
+            })
+        })
+        .collect();
+    for t in threads {
+        let (i, out) = t.join().unwrap();
+        let line = format!("exec-{i}-output-line\n");
+        let want: Vec<u8> = line.bytes().cycle().take(1 << 20).collect();
+        assert_eq!(out.code, i32::from(i), "exec {i}: {}", out.stderr);
+        assert!(
+            out.stdout == want,
+            "exec {i}: {} bytes, not its own 1 MiB",
+            out.stdout.len()
+        );
+        assert_eq!(out.stderr, "", "exec {i}");
+    }
+    assert_eq!(w.inspect(&id)["execs"], 8);
+}
+
+#[test]
+fn stop_and_rm_leave_nothing_behind_and_names_are_free_again() {
+    let w = World::new("stop");
+    let ws = w.xdg.join("workspace");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("seen"), "from the host\n").unwrap();
+    let ws_s = ws.to_str().unwrap();
+    let id = w.create(&["--name", "stopme", "--workspace", ws_s, "--label", "team=a"]);
+    let dir = w.sandbox_dir(&id);
+    // A second create with the name in use is refused and makes nothing.
+    let before = std::fs::read_dir(w.xdg.join("amvm")).unwrap().count();
+    let out = w.amvm(&["create", "--name", "stopme"]);
+    assert_eq!(out.code, 125);
+    assert!(
+        one_line(&out).contains("the name stopme is in use"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(
+        std::fs::read_dir(w.xdg.join("amvm")).unwrap().count(),
+        before
+    );
+    let out = w.exec("stopme", &["cat", "seen"]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "from the host\n"),
+        "{}",
+        out.stderr
+    );
+    let ls = w.amvm(&["ls"]);
+    assert!(
+        ls.stdout_str()
+            .lines()
+            .any(|l| l.starts_with(&id) && l.contains("stopme") && l.contains("running")),
+        "{}",
+        ls.stdout_str()
+    );
+    assert_eq!(w.inspect(&id)["labels"]["team"], "a");
+    // A long-running exec is ended by the stop (SIGTERM: 143), not left hanging.
+    let mut sleeper = w
+        .cmd(&["exec", "stopme", "--", "sleep", "1000"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(1));
+    let out = w.amvm(&["stop", "--time", "5", "stopme"]);
+    assert_eq!(
+        (out.code, out.stdout_str().trim()),
+        (0, id.as_str()),
+        "{}",
+        out.stderr
+    );
+    let slept = sleeper.wait().unwrap();
+    assert!(
+        matches!(slept.code(), Some(143) | Some(125)),
+        "the sleeping exec ended with {slept:?}"
+    );
+    assert_eq!(w.inspect(&id)["state"], "stopped");
+    let out = w.exec("stopme", &["true"]);
+    assert_eq!(out.code, 125);
+    assert!(
+        one_line(&out).contains("is not running (stopped)"),
+        "{}",
+        out.stderr
+    );
+    // Waiting on a stopped sandbox answers at once.
+    let out = w.amvm(&["wait", &id]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    no_process_with(ws_s);
+    assert_eq!(processes_of(&dir), Vec::<u32>::new());
+    let out = w.amvm(&["rm", "stopme"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!dir.exists(), "{} left behind", dir.display());
+    let out = w.amvm(&["rm", "stopme"]);
+    assert_eq!(out.code, 125);
+    assert!(
+        one_line(&out).contains("no sandbox stopme"),
+        "{}",
+        out.stderr
+    );
+    // The name is free again.
+    let id2 = w.create(&["--name", "stopme", "--mem", "128"]);
+    assert_ne!(id, id2);
+    // rm of a running sandbox needs -f.
+    let out = w.amvm(&["rm", "stopme"]);
+    assert_eq!(out.code, 125);
+    assert!(one_line(&out).contains("is running"), "{}", out.stderr);
+    let out = w.amvm(&["rm", "-f", "stopme"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!w.sandbox_dir(&id2).exists());
+    assert_eq!(processes_of(&w.sandbox_dir(&id2)), Vec::<u32>::new());
+}
+
+#[test]
+fn a_vmm_killed_outright_shows_in_ls_and_rm_cleans_up() {
+    let w = World::new("killed");
+    let ws = w.xdg.join("ws-killed");
+    std::fs::create_dir_all(&ws).unwrap();
+    let ws_s = ws.to_str().unwrap();
+    let id = w.create(&["--workspace", ws_s]);
+    let dir = w.sandbox_dir(&id);
+    let vmm = w.inspect(&id)["vmm_pid"].as_u64().unwrap() as i32;
+    // SAFETY: kill(2) of the VMM this test started.
+    assert_eq!(unsafe { libc::kill(vmm, libc::SIGKILL) }, 0);
+    let until = Instant::now() + Duration::from_secs(30);
+    let info = loop {
+        let info = w.inspect(&id);
+        if info["state"] != "running" {
+            break info;
+        }
+        assert!(Instant::now() < until, "still running: {info}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(info["state"], "exited", "{info}");
+    assert!(
+        info["ended"]
+            .as_str()
+            .unwrap()
+            .contains("killed by signal 9"),
+        "{info}"
+    );
+    let out = w.exec(&id, &["true"]);
+    assert_eq!(out.code, 125);
+    one_line(&out);
+    no_process_with(ws_s);
+    let out = w.amvm(&["rm", &id]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!dir.exists());
+    assert_eq!(processes_of(&dir), Vec::<u32>::new());
+}
+
+#[test]
+fn bad_input_gets_one_line_and_changes_nothing() {
+    let w = World::new("bad");
+    for (args, why) in [
+        (
+            &["create", "--name", "../x"][..],
+            "--name ../x: use letters",
+        ),
+        (
+            &["create", "--label", "novalue"][..],
+            "--label novalue: say KEY=VAL",
+        ),
+        (
+            &["create", "--kernel", "/nonexistent/vmlinux"][..],
+            "/nonexistent/vmlinux",
+        ),
+        (
+            &["create", "--workspace", "/nonexistent"][..],
+            "--workspace /nonexistent",
+        ),
+        (&["exec", "nosuch", "--", "true"][..], "no sandbox nosuch"),
+        (&["inspect", "0123456789ab"][..], "no sandbox 0123456789ab"),
+        (&["stop", "nosuch"][..], "no sandbox nosuch"),
+    ] {
+        let out = w.amvm(args);
+        assert_eq!(out.code, 125, "{args:?}: {}", out.stderr);
+        assert!(one_line(&out).contains(why), "{args:?}: {}", out.stderr);
+    }
+    let ls = w.amvm(&["ls", "--json"]);
+    assert_eq!(
+        (ls.code, ls.stdout_str().trim()),
+        (0, "[]"),
+        "{}",
+        ls.stderr
+    );
+}
+
+#[test]
+fn the_api_works_from_python_http_client() {
+    let w = World::new("python");
+    let id = w.create(&["--mem", "256"]);
+    let sock = w.sandbox_dir(&id).join("api.sock");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("standin/amvm_api.py");
+    let info = Command::new("python3")
+        .arg(&script)
+        .arg(&sock)
+        .arg("info")
+        .output()
+        .unwrap();
+    assert!(
+        info.status.success(),
+        "{}",
+        String::from_utf8_lossy(&info.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(
+        (v["id"].as_str(), v["state"].as_str()),
+        (Some(id.as_str()), Some("running"))
+    );
+    // An exec with stdin, its stdout, stderr and status apart, through Python's own HTTP.
+    let mut child = Command::new("python3")
+        .arg(&script)
+        .arg(&sock)
+        .args([
+            "exec",
+            "--stdin",
+            "sh",
+            "-c",
+            "tr a-z A-Z; echo to-stderr >&2; exit 9",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"hello from python\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(9),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.stdout, b"HELLO FROM PYTHON\n");
+    assert_eq!(out.stderr, b"to-stderr\n");
+    // The API refuses what it does not know, with a JSON error.
+    let bad = Command::new("curl")
+        .args(["-sS", "--unix-socket"])
+        .arg(&sock)
+        .args([
+            "-X",
+            "POST",
+            "-d",
+            "{\"argv\": []}",
+            "-H",
+            "Upgrade: amvm-exec/1",
+            "http://amvm/v1/exec",
+        ])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&bad.stdout).unwrap();
+    assert!(
+        v["error"].as_str().unwrap().contains("argv is empty"),
+        "{v}"
+    );
+}

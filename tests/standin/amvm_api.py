@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""A second-language client of a sandbox's API socket (docs/api.md), on Python's http.client.
+
+    amvm_api.py SOCKET info
+    amvm_api.py SOCKET exec [--stdin] ARG...    (stdin forwarded with --stdin; exits with the
+                                                command's status)
+
+Frames (after `101 Switching Protocols`): kind (1 byte), length (u32 little-endian), payload.
+From the sandbox: 1 stdout, 2 stderr, 3 exit (1 byte). To it: 32 stdin, 33 end of stdin,
+17 signal (1 byte).
+"""
+
+import http.client
+import json
+import socket
+import struct
+import sys
+import threading
+
+
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path):
+        super().__init__("amvm")
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
+
+
+def info(path):
+    c = UnixConnection(path)
+    c.request("GET", "/v1/sandbox")
+    r = c.getresponse()
+    body = json.loads(r.read())
+    if r.status != 200:
+        sys.exit(f"amvm_api: {r.status}: {body['error']}")
+    print(json.dumps(body, indent=1))
+
+
+def frame(kind, payload):
+    return struct.pack("<BI", kind, len(payload)) + payload
+
+
+def read_exact(f, n):
+    b = b""
+    while len(b) < n:
+        chunk = f.read(n - len(b))
+        if not chunk:
+            return None
+        b += chunk
+    return b
+
+
+def exec_(path, argv, with_stdin):
+    c = UnixConnection(path)
+    body = json.dumps({"argv": argv, "stdin": with_stdin})
+    c.request("POST", "/v1/exec", body=body,
+              headers={"Upgrade": "amvm-exec/1", "Connection": "Upgrade",
+                       "Content-Type": "application/json"})
+    r = c.getresponse()
+    if r.status != 101:
+        sys.exit(f"amvm_api: {r.status}: {json.loads(r.read())['error']}")
+    sock = c.sock
+    if with_stdin:
+        def feed():
+            while True:
+                data = sys.stdin.buffer.read1(65536)
+                if not data:
+                    break
+                sock.sendall(frame(32, data))
+            sock.sendall(frame(33, b""))
+        threading.Thread(target=feed, daemon=True).start()
+    # http.client has buffered what came after the head: read the frames through its reader.
+    f = r.fp
+    while True:
+        head = read_exact(f, 5)
+        if head is None:
+            sys.exit("amvm_api: the stream ended without an exit status")
+        kind, n = struct.unpack("<BI", head)
+        payload = read_exact(f, n) if n else b""
+        if kind == 1:
+            sys.stdout.buffer.write(payload)
+            sys.stdout.buffer.flush()
+        elif kind == 2:
+            sys.stderr.buffer.write(payload)
+            sys.stderr.buffer.flush()
+        elif kind == 3:
+            sys.exit(payload[0])
+
+
+def main():
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    path, what = sys.argv[1], sys.argv[2]
+    if what == "info":
+        info(path)
+    elif what == "exec":
+        args = sys.argv[3:]
+        with_stdin = bool(args) and args[0] == "--stdin"
+        exec_(path, args[1:] if with_stdin else args, with_stdin)
+    else:
+        sys.exit(__doc__)
+
+
+main()

@@ -1,0 +1,178 @@
+//! The API's wire types and its small HTTP/1.1 subset (docs/api.md): one request per
+//! connection (`Connection: close`), bodies by `Content-Length` only, JSON both ways. `POST
+//! /v1/exec` with `Upgrade: amvm-exec/1` answers `101 Switching Protocols`, after which the
+//! connection carries the exec's frames (guest_init::protocol: Stdout, Stderr and Exit from the
+//! sandbox; Stdin, StdinEnd and Signal to it).
+
+use serde::{Deserialize, Serialize};
+
+/// The upgrade token of an exec stream.
+pub const EXEC_UPGRADE: &str = "amvm-exec/1";
+/// Largest request or response head.
+pub const MAX_HEAD: usize = 16 * 1024;
+/// Largest request or response body.
+pub const MAX_BODY: usize = 4 << 20;
+
+/// `POST /v1/exec`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ExecRequest {
+    pub argv: Vec<String>,
+    /// `KEY=VAL`, on top of the sandbox's environment.
+    #[serde(default)]
+    pub env: Vec<String>,
+    /// Default: the sandbox's working directory.
+    #[serde(default)]
+    pub workdir: Option<String>,
+    /// `UID[:GID]`; default: the sandbox's user.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// The stream carries the command's stdin (else it reads /dev/null).
+    #[serde(default)]
+    pub stdin: bool,
+}
+
+/// `POST /v1/stop`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct StopRequest {
+    /// Seconds between SIGTERM and SIGKILL.
+    #[serde(default = "default_grace")]
+    pub grace_seconds: u32,
+}
+
+fn default_grace() -> u32 {
+    10
+}
+
+/// Every error body.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+/// A parsed request or response head.
+#[derive(Debug, PartialEq)]
+pub struct Head {
+    /// Request: method, path. Response: "HTTP/1.1", the status code.
+    pub first: (String, String),
+    pub headers: Vec<(String, String)>,
+}
+
+impl Head {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The body's length: `Content-Length`, 0 without it; an error past [`MAX_BODY`].
+    pub fn content_length(&self) -> Result<usize, String> {
+        match self.header("content-length") {
+            None => Ok(0),
+            Some(v) => match v.trim().parse::<usize>() {
+                Ok(n) if n <= MAX_BODY => Ok(n),
+                Ok(n) => Err(format!("a body of {n} bytes (at most {MAX_BODY})")),
+                Err(_) => Err(format!("Content-Length {v:?}")),
+            },
+        }
+    }
+}
+
+/// Where a head ends in `buf` (the index just past its blank line), if it is all there.
+pub fn head_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4)
+}
+
+/// Parse a head (request or response line, then headers), without its blank line.
+pub fn parse_head(raw: &[u8]) -> Result<Head, String> {
+    let text = std::str::from_utf8(raw).map_err(|_| "a head that is not UTF-8".to_string())?;
+    let mut lines = text.split("\r\n").filter(|l| !l.is_empty());
+    let first = lines.next().ok_or("an empty head")?;
+    let mut parts = first.splitn(3, ' ');
+    let (a, b) = match (parts.next(), parts.next()) {
+        (Some(a), Some(b)) if !a.is_empty() && !b.is_empty() => (a.to_string(), b.to_string()),
+        _ => return Err(format!("a bad first line {first:?}")),
+    };
+    let mut headers = Vec::new();
+    for l in lines {
+        let (k, v) = l
+            .split_once(':')
+            .ok_or_else(|| format!("a bad header line {l:?}"))?;
+        headers.push((k.trim().to_string(), v.trim().to_string()));
+    }
+    Ok(Head {
+        first: (a, b),
+        headers,
+    })
+}
+
+/// The reason phrase of the status codes the API uses.
+pub fn reason(code: u16) -> &'static str {
+    match code {
+        101 => "Switching Protocols",
+        200 => "OK",
+        400 => "Bad Request",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        409 => "Conflict",
+        413 => "Payload Too Large",
+        _ => "Internal Server Error",
+    }
+}
+
+/// A whole response with a JSON body.
+pub fn response(code: u16, body: &[u8]) -> Vec<u8> {
+    let mut out = format!(
+        "HTTP/1.1 {code} {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        reason(code),
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_parse_and_bad_ones_are_refused() {
+        let raw = b"POST /v1/exec HTTP/1.1\r\nHost: x\r\nContent-Length: 12\r\nUpgrade: amvm-exec/1\r\n\r\n{}";
+        let end = head_end(raw).unwrap();
+        let h = parse_head(&raw[..end]).unwrap();
+        assert_eq!(h.first, ("POST".into(), "/v1/exec".into()));
+        assert_eq!(h.header("upgrade"), Some(EXEC_UPGRADE));
+        assert_eq!(h.content_length(), Ok(12));
+        assert_eq!(&raw[end..], b"{}");
+        assert!(head_end(b"GET / HTTP/1.1\r\n").is_none());
+        assert!(parse_head(b"").is_err());
+        assert!(parse_head(b"GET\r\n").is_err());
+        assert!(parse_head(b"GET / HTTP/1.1\r\nno colon\r\n").is_err());
+        assert!(parse_head(b"GET / HTTP/1.1\r\n\xff: x\r\n").is_err());
+        let big = parse_head(b"GET / HTTP/1.1\r\nContent-Length: 99999999999\r\n").unwrap();
+        assert!(big.content_length().is_err());
+        let r = response(404, b"{\"error\":\"x\"}");
+        let end = head_end(&r).unwrap();
+        let h = parse_head(&r[..end]).unwrap();
+        assert_eq!(h.first, ("HTTP/1.1".into(), "404".into()));
+        assert_eq!(h.content_length(), Ok(13));
+    }
+
+    #[test]
+    fn an_exec_request_takes_defaults() {
+        let r: ExecRequest = serde_json::from_str(r#"{"argv":["true"]}"#).unwrap();
+        assert_eq!(
+            r,
+            ExecRequest {
+                argv: vec!["true".into()],
+                env: vec![],
+                workdir: None,
+                user: None,
+                stdin: false
+            }
+        );
+        let s: StopRequest = serde_json::from_str("{}").unwrap();
+        assert_eq!(s.grace_seconds, 10);
+    }
+}

@@ -1,0 +1,367 @@
+//! A client of a sandbox's API socket (docs/api.md): what the CLI uses, and the Rust library
+//! face ([`Sandbox`]) for programs that drive sandboxes themselves.
+//!
+//! ```no_run
+//! use amvm::sandbox::client::Sandbox;
+//! let sb = Sandbox::create("amvm", &["--mem", "256"]).unwrap();
+//! let out = sb.exec_output(&["sh", "-c", "echo hi > /tmp/f; cat /tmp/f"]).unwrap();
+//! assert_eq!((out.status, &out.stdout[..]), (0, &b"hi\n"[..]));
+//! sb.stop(10).unwrap();
+//! sb.remove().unwrap();
+//! ```
+
+use super::api::{self, ErrorBody, ExecRequest, StopRequest, EXEC_UPGRADE};
+use super::{Info, SandboxError};
+use guest_init::protocol::{encode_chunks, encode_frame, Direction, Frame, FrameKind, FrameParser};
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+/// One sandbox, by id.
+#[derive(Debug, Clone)]
+pub struct Sandbox {
+    pub id: String,
+    /// What the caller called it (its name or id), for messages.
+    shown: String,
+    dir: PathBuf,
+}
+
+/// What [`Sandbox::exec_output`] collects.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Output {
+    pub status: u8,
+    pub stdout: Vec<u8>,
+    pub stderr: Vec<u8>,
+}
+
+/// The frames one exec sends back, as they come.
+pub enum Event {
+    Stdout(Vec<u8>),
+    Stderr(Vec<u8>),
+    Exit(u8),
+}
+
+/// An exec in progress: read its events; send stdin and signals from any thread
+/// ([`ExecStream::sender`]).
+pub struct ExecStream {
+    id: String,
+    reader: UnixStream,
+    parser: FrameParser,
+    queued: std::collections::VecDeque<Event>,
+    writer: Sender,
+    buf: Vec<u8>,
+}
+
+/// The client-to-sandbox half of an exec stream.
+#[derive(Clone)]
+pub struct Sender(Arc<Mutex<UnixStream>>);
+
+impl Sender {
+    fn send(&self, kind: FrameKind, data: &[u8]) -> std::io::Result<()> {
+        let mut f = Vec::with_capacity(data.len() + 16);
+        if kind == FrameKind::Stdin {
+            encode_chunks(kind, data, &mut f);
+        } else {
+            encode_frame(kind, data, &mut f);
+        }
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .write_all(&f)
+    }
+
+    /// Bytes for the command's stdin (an exec made with `stdin: true`).
+    pub fn stdin(&self, data: &[u8]) -> std::io::Result<()> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        self.send(FrameKind::Stdin, data)
+    }
+
+    /// The end of the command's stdin.
+    pub fn stdin_end(&self) -> std::io::Result<()> {
+        self.send(FrameKind::StdinEnd, &[])
+    }
+
+    /// Signal `sig` to the command's process group.
+    pub fn signal(&self, sig: u8) -> std::io::Result<()> {
+        self.send(FrameKind::Signal, &[sig])
+    }
+}
+
+impl ExecStream {
+    pub fn sender(&self) -> Sender {
+        self.writer.clone()
+    }
+
+    /// The next event; `None` when the stream ended (after Exit, or without it if the sandbox
+    /// went away: then [`ExecStream::next_event`] says so as an error).
+    pub fn next_event(&mut self) -> Result<Option<Event>, SandboxError> {
+        loop {
+            if let Some(e) = self.queued.pop_front() {
+                return Ok(Some(e));
+            }
+            let mut chunk = [0u8; 64 * 1024];
+            let n = if self.buf.is_empty() {
+                match self.reader.read(&mut chunk) {
+                    Ok(0) => {
+                        return Err(SandboxError::Protocol(
+                            self.id.clone(),
+                            "the sandbox ended the command's stream before its exit status".into(),
+                        ))
+                    }
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(SandboxError::Io(format!("sandbox {}", self.id), e)),
+                }
+            } else {
+                let b = std::mem::take(&mut self.buf);
+                chunk[..b.len()].copy_from_slice(&b);
+                b.len()
+            };
+            let q = &mut self.queued;
+            self.parser
+                .feed(&chunk[..n], |f| match f {
+                    Frame::Stdout(b) => q.push_back(Event::Stdout(b)),
+                    Frame::Stderr(b) => q.push_back(Event::Stderr(b)),
+                    Frame::Exit(c) => q.push_back(Event::Exit(c)),
+                    _ => {}
+                })
+                .map_err(|e| SandboxError::Protocol(self.id.clone(), e.to_string()))?;
+        }
+    }
+}
+
+impl Sandbox {
+    /// The sandbox `id_or_name` of this user.
+    pub fn open(id_or_name: &str) -> Result<Sandbox, SandboxError> {
+        let (id, dir) = super::resolve(id_or_name)?;
+        Ok(Sandbox {
+            id,
+            shown: id_or_name.to_string(),
+            dir,
+        })
+    }
+
+    /// Boot a sandbox with `amvm create ARGS` (`amvm` is the binary to run: a path, or a name
+    /// found on $PATH) and open it.
+    pub fn create(amvm: &str, args: &[&str]) -> Result<Sandbox, SandboxError> {
+        let out = std::process::Command::new(amvm)
+            .arg("create")
+            .args(args)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .map_err(|e| SandboxError::Io(amvm.into(), e))?;
+        if !out.status.success() {
+            let msg = String::from_utf8_lossy(&out.stderr);
+            return Err(SandboxError::Start(
+                msg.trim().trim_start_matches("amvm: ").to_string(),
+            ));
+        }
+        Sandbox::open(String::from_utf8_lossy(&out.stdout).trim())
+    }
+
+    /// Its state as the supervisor sees it, or as it left it.
+    pub fn info(&self) -> Result<Info, SandboxError> {
+        let state = super::read_state(&self.dir)?;
+        if !matches!(state.state.as_str(), "running" | "stopping" | "starting") {
+            return Ok(state);
+        }
+        match self.call("GET", "/v1/sandbox", None) {
+            Ok(body) => self.json(&body),
+            // Between the state file and the call, it ended.
+            Err(SandboxError::Io(..)) => super::read_state(&self.dir),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Stop it (SIGTERM to everything, SIGKILL after `grace` s); its final state.
+    pub fn stop(&self, grace: u32) -> Result<Info, SandboxError> {
+        let state = super::read_state(&self.dir)?;
+        if !matches!(state.state.as_str(), "running" | "stopping" | "starting") {
+            return Ok(state);
+        }
+        let body = serde_json::to_vec(&StopRequest {
+            grace_seconds: grace,
+        })
+        .expect("serializable");
+        match self.call("POST", "/v1/stop", Some(&body)) {
+            Ok(b) => self.json(&b),
+            Err(SandboxError::Io(..)) => super::read_state(&self.dir),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Wait until it has stopped; its final state.
+    pub fn wait(&self) -> Result<Info, SandboxError> {
+        let state = super::read_state(&self.dir)?;
+        if !matches!(state.state.as_str(), "running" | "stopping" | "starting") {
+            return Ok(state);
+        }
+        match self.call("GET", "/v1/wait", None) {
+            Ok(b) => self.json(&b),
+            Err(SandboxError::Io(..)) => super::read_state(&self.dir),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Remove it (it must have stopped).
+    pub fn remove(&self) -> Result<(), SandboxError> {
+        super::remove(&self.id, &self.dir)
+    }
+
+    /// Start `req`; its stream.
+    pub fn exec(&self, req: &ExecRequest) -> Result<ExecStream, SandboxError> {
+        let state = super::read_state(&self.dir)?;
+        if state.state != "running" {
+            return Err(SandboxError::NotRunning(self.shown.clone(), state.state));
+        }
+        let body = serde_json::to_vec(req).expect("serializable");
+        let mut sock = self.connect()?;
+        let head = format!(
+            "POST /v1/exec HTTP/1.1\r\nHost: amvm\r\nUpgrade: {EXEC_UPGRADE}\r\nConnection: Upgrade\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let io = |e| SandboxError::Io(format!("sandbox {}", self.id), e);
+        sock.write_all(head.as_bytes()).map_err(io)?;
+        sock.write_all(&body).map_err(io)?;
+        let (code, head, rest) = self.read_head(&mut sock)?;
+        if code != 101 {
+            let body = self.read_body(&mut sock, &head, rest)?;
+            return Err(self.api_error(code, &body));
+        }
+        let writer = sock.try_clone().map_err(io)?;
+        Ok(ExecStream {
+            id: self.id.clone(),
+            reader: sock,
+            parser: FrameParser::new(Direction::ToHost),
+            queued: Default::default(),
+            writer: Sender(Arc::new(Mutex::new(writer))),
+            buf: rest,
+        })
+    }
+
+    /// Run `argv` (no stdin) and collect its output and status.
+    pub fn exec_output(&self, argv: &[&str]) -> Result<Output, SandboxError> {
+        let mut s = self.exec(&ExecRequest {
+            argv: argv.iter().map(|a| a.to_string()).collect(),
+            env: vec![],
+            workdir: None,
+            user: None,
+            stdin: false,
+        })?;
+        let mut out = Output {
+            status: 0,
+            stdout: vec![],
+            stderr: vec![],
+        };
+        loop {
+            match s.next_event()? {
+                Some(Event::Stdout(b)) => out.stdout.extend_from_slice(&b),
+                Some(Event::Stderr(b)) => out.stderr.extend_from_slice(&b),
+                Some(Event::Exit(c)) => {
+                    out.status = c;
+                    return Ok(out);
+                }
+                None => unreachable!("next_event() errs at a stream without Exit"),
+            }
+        }
+    }
+
+    fn connect(&self) -> Result<UnixStream, SandboxError> {
+        let path = self.dir.join("api.sock");
+        UnixStream::connect(&path).map_err(|e| SandboxError::Io(format!("sandbox {}", self.id), e))
+    }
+
+    fn json<T: serde::de::DeserializeOwned>(&self, body: &[u8]) -> Result<T, SandboxError> {
+        serde_json::from_slice(body)
+            .map_err(|e| SandboxError::Protocol(self.id.clone(), e.to_string()))
+    }
+
+    fn api_error(&self, code: u16, body: &[u8]) -> SandboxError {
+        let msg = serde_json::from_slice::<ErrorBody>(body)
+            .map(|b| b.error)
+            .unwrap_or_else(|_| String::from_utf8_lossy(body).into_owned());
+        if code == 409 {
+            return SandboxError::Api(self.shown.clone(), code, msg);
+        }
+        SandboxError::Api(self.id.clone(), code, msg)
+    }
+
+    /// One request, its 200 body (any other status is an error).
+    fn call(&self, method: &str, path: &str, body: Option<&[u8]>) -> Result<Vec<u8>, SandboxError> {
+        let mut sock = self.connect()?;
+        let body = body.unwrap_or_default();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: amvm\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        let io = |e| SandboxError::Io(format!("sandbox {}", self.id), e);
+        sock.write_all(head.as_bytes()).map_err(io)?;
+        sock.write_all(body).map_err(io)?;
+        let (code, head, rest) = self.read_head(&mut sock)?;
+        let body = self.read_body(&mut sock, &head, rest)?;
+        if code != 200 {
+            return Err(self.api_error(code, &body));
+        }
+        Ok(body)
+    }
+
+    fn read_head(&self, sock: &mut UnixStream) -> Result<(u16, api::Head, Vec<u8>), SandboxError> {
+        let mut buf = Vec::with_capacity(1024);
+        let bad = |m: String| SandboxError::Protocol(self.id.clone(), m);
+        let end = loop {
+            if let Some(end) = api::head_end(&buf) {
+                break end;
+            }
+            if buf.len() > api::MAX_HEAD {
+                return Err(bad("a response head that never ends".into()));
+            }
+            let mut chunk = [0u8; 4096];
+            let n = sock
+                .read(&mut chunk)
+                .map_err(|e| SandboxError::Io(format!("sandbox {}", self.id), e))?;
+            if n == 0 {
+                return Err(SandboxError::Io(
+                    format!("sandbox {}", self.id),
+                    std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the supervisor closed the connection without an answer",
+                    ),
+                ));
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        };
+        let head = api::parse_head(&buf[..end]).map_err(bad)?;
+        let code = head
+            .first
+            .1
+            .parse::<u16>()
+            .map_err(|_| bad(format!("status {:?}", head.first.1)))?;
+        Ok((code, head, buf.split_off(end)))
+    }
+
+    fn read_body(
+        &self,
+        sock: &mut UnixStream,
+        head: &api::Head,
+        mut body: Vec<u8>,
+    ) -> Result<Vec<u8>, SandboxError> {
+        let len = head
+            .content_length()
+            .map_err(|e| SandboxError::Protocol(self.id.clone(), e))?;
+        while body.len() < len {
+            let mut chunk = vec![0u8; len - body.len()];
+            let n = sock
+                .read(&mut chunk)
+                .map_err(|e| SandboxError::Io(format!("sandbox {}", self.id), e))?;
+            if n == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..n]);
+        }
+        body.truncate(len);
+        Ok(body)
+    }
+}

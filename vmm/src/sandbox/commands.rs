@@ -1,0 +1,150 @@
+//! The sandbox subcommands of the CLI, on top of [`client`](super::client).
+
+use super::api::ExecRequest;
+use super::client::{Event, Sandbox};
+use super::{Info, SandboxError};
+use crate::cli::ExecArgs;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+
+/// `amvm exec`: the command's exit status.
+pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
+    let sb = Sandbox::open(&args.sandbox)?;
+    let mut argv = Vec::with_capacity(args.command.len());
+    for a in &args.command {
+        match a.to_str() {
+            Some(s) => argv.push(s.to_string()),
+            None => {
+                return Err(SandboxError::Protocol(
+                    sb.id.clone(),
+                    format!("the argument {a:?} is not UTF-8, which the API cannot carry yet"),
+                ))
+            }
+        }
+    }
+    // Ctrl-C and friends go to the command, not to us: blocked here, read from a signalfd.
+    let signals = crate::signals::Signals::block()
+        .map_err(|e| SandboxError::Io("blocking signals".into(), e))?;
+    let mut stream = sb.exec(&ExecRequest {
+        argv,
+        env: args.env,
+        workdir: args.workdir,
+        user: args.user,
+        stdin: args.interactive,
+    })?;
+    let tx = stream.sender();
+    std::thread::spawn(move || loop {
+        let mut pfd = libc::pollfd {
+            fd: signals.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one valid pollfd for the duration of the call.
+        if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
+            continue;
+        }
+        while let Ok(Some(sig)) = signals.next() {
+            if tx.signal(sig as u8).is_err() {
+                return;
+            }
+        }
+    });
+    if args.interactive {
+        let tx = stream.sender();
+        std::thread::spawn(move || {
+            let mut input = std::io::stdin().lock();
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                match input.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if tx.stdin(&buf[..n]).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        tracing::warn!("reading stdin: {e}; the command sees EOF");
+                        break;
+                    }
+                }
+            }
+            let _ = tx.stdin_end();
+        });
+    }
+    let (mut out, mut err) = (std::io::stdout().lock(), std::io::stderr().lock());
+    loop {
+        match stream.next_event()? {
+            // A reader that went away must not stop the command; its bytes are dropped.
+            Some(Event::Stdout(b)) => {
+                let _ = out.write_all(&b).and_then(|()| out.flush());
+            }
+            Some(Event::Stderr(b)) => {
+                let _ = err.write_all(&b).and_then(|()| err.flush());
+            }
+            Some(Event::Exit(c)) => return Ok(c),
+            None => unreachable!("next_event() errs at a stream without Exit"),
+        }
+    }
+}
+
+/// `amvm ls`.
+pub fn ls(json: bool, out: &mut impl Write) -> Result<(), SandboxError> {
+    let all = super::list()?;
+    let io = |e| SandboxError::Io("stdout".into(), e);
+    if json {
+        serde_json::to_writer_pretty(&mut *out, &all).map_err(|e| io(e.into()))?;
+        return writeln!(out).map_err(io);
+    }
+    writeln!(
+        out,
+        "{:12}  {:16}  {:8}  {:>5}  {:>8}  CREATED",
+        "ID", "NAME", "STATE", "EXECS", "MEM"
+    )
+    .map_err(io)?;
+    for i in all {
+        writeln!(
+            out,
+            "{:12}  {:16}  {:8}  {:>5}  {:>5}MiB  {}",
+            i.id,
+            i.name.as_deref().unwrap_or("-"),
+            i.state,
+            i.execs,
+            i.config.mem_mib,
+            i.created
+        )
+        .map_err(io)?;
+    }
+    Ok(())
+}
+
+/// Print `info` as JSON.
+pub fn print_info(info: &Info, out: &mut impl Write) -> Result<(), SandboxError> {
+    serde_json::to_writer_pretty(&mut *out, info)
+        .map_err(|e| SandboxError::Io("stdout".into(), e.into()))?;
+    writeln!(out).map_err(|e| SandboxError::Io("stdout".into(), e))
+}
+
+/// `amvm rm [-f] SANDBOX...`: every one is tried, each failure said on stderr; whether all
+/// were removed.
+pub fn rm(force: bool, sandboxes: &[String]) -> bool {
+    let mut ok = true;
+    for s in sandboxes {
+        let r = Sandbox::open(s).and_then(|sb| {
+            if force {
+                let info = sb.info()?;
+                if matches!(info.state.as_str(), "running" | "stopping" | "starting") {
+                    sb.stop(0)?;
+                }
+            }
+            sb.remove()?;
+            println!("{}", sb.id);
+            Ok(())
+        });
+        if let Err(e) = r {
+            eprintln!("amvm: {e}");
+            ok = false;
+        }
+    }
+    ok
+}

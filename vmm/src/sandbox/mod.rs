@@ -1,0 +1,322 @@
+//! Long-lived sandboxes (`amvm create`, `exec`, `ls`, `inspect`, `stop`, `rm`, `wait`).
+//!
+//! Each sandbox is one supervisor process ([`supervisor`]) with a state directory
+//! `$XDG_RUNTIME_DIR/amvm/ID` (else `/run/amvm/ID` for root, `/tmp/amvm-UID/ID` for others),
+//! mode 0700 so only its owner reaches it:
+//! * `api.sock`: the JSON API over HTTP/1.1 (docs/api.md), which the CLI and [`client`] use;
+//! * `guest.sock`: where the VMM child connects the guest's control and exec streams;
+//! * `state.json`: the [`Info`] the supervisor last wrote, read by `ls` and after it is gone;
+//! * `vmm.log`: the VMM's stderr.
+//!
+//! Names live in `names/NAME`, a symlink to the id made with `symlink(2)` (atomic: two creates
+//! of one name cannot both win).
+
+pub mod api;
+pub mod client;
+pub mod commands;
+pub mod supervisor;
+
+use serde::{Deserialize, Serialize};
+use std::io;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("no sandbox {0} (amvm ls lists them)")]
+    NotFound(String),
+    #[error("the name {0} is in use by sandbox {1}")]
+    NameInUse(String, String),
+    #[error("--name {0}: use letters, digits, '.', '_' and '-' (at most 64, not starting with '.' or '-')")]
+    BadName(String),
+    #[error("--label {0}: say KEY=VAL")]
+    BadLabel(String),
+    #[error("sandbox {0} is not running ({1})")]
+    NotRunning(String, String),
+    #[error("sandbox {0} is running: stop it first, or rm -f")]
+    Running(String),
+    #[error("{0}: {1}")]
+    Io(String, io::Error),
+    #[error("sandbox {0}: the API answered {1}: {2}")]
+    Api(String, u16, String),
+    #[error("sandbox {0}: {1}")]
+    Protocol(String, String),
+    #[error("the sandbox did not start: {0}")]
+    Start(String),
+    #[error("{0} is not supported by amvm create yet")]
+    Unsupported(&'static str),
+}
+
+fn io_err(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> SandboxError {
+    let what = what.to_string();
+    move |e| SandboxError::Io(what, e)
+}
+
+/// What a sandbox is and how it is doing: `state.json`, `GET /v1/sandbox`, `amvm inspect`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Info {
+    pub id: String,
+    pub name: Option<String>,
+    pub labels: std::collections::BTreeMap<String, String>,
+    /// "starting", "running", "stopping", "stopped" (by `amvm stop`), "exited" (the VM ended
+    /// on its own: --timeout, a crash, the VMM killed), or "dead" (`ls`: the supervisor is gone
+    /// without saying so).
+    pub state: String,
+    /// Seconds since the Unix epoch.
+    pub created: u64,
+    /// The supervisor's pid, and the VMM's.
+    pub pid: u32,
+    pub vmm_pid: u32,
+    /// How many execs have started.
+    pub execs: u64,
+    /// How the VM ended (once it has), in words.
+    pub ended: Option<String>,
+    pub config: Config,
+}
+
+/// The sandbox's configuration, as `amvm create` was given it.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Config {
+    pub mem_mib: u64,
+    pub cpus: u8,
+    pub system: String,
+    pub workspace: Option<PathBuf>,
+    pub egress: Option<PathBuf>,
+    pub timeout_seconds: Option<u64>,
+    /// The execs' defaults.
+    pub user: String,
+    pub workdir: String,
+    pub env: Vec<String>,
+}
+
+/// Where this user's sandboxes live.
+pub fn base_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        return Path::new(&d).join("amvm");
+    }
+    // SAFETY: getuid(2) takes nothing and cannot fail.
+    match unsafe { libc::getuid() } {
+        0 => PathBuf::from("/run/amvm"),
+        uid => PathBuf::from(format!("/tmp/amvm-{uid}")),
+    }
+}
+
+/// `dir` as a 0700 directory of ours (made if missing).
+fn private_dir(dir: &Path) -> Result<(), SandboxError> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+    match std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+    {
+        Ok(()) => {}
+        Err(e) => return Err(io_err(dir.display())(e)),
+    }
+    let md = std::fs::symlink_metadata(dir).map_err(io_err(dir.display()))?;
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if !md.is_dir() || md.uid() != me || md.mode() & 0o077 != 0 {
+        return Err(SandboxError::Io(
+            dir.display().to_string(),
+            io::Error::other("not a private directory of this user (want mode 0700, ours)"),
+        ));
+    }
+    Ok(())
+}
+
+/// A fresh id: 12 hex digits from the kernel's random pool.
+fn new_id() -> Result<String, SandboxError> {
+    let mut b = [0u8; 6];
+    // SAFETY: getrandom(2) fills the 6-byte buffer it is given.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n != b.len() as isize {
+        return Err(io_err("getrandom")(io::Error::last_os_error()));
+    }
+    Ok(b.iter().map(|x| format!("{x:02x}")).collect())
+}
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && !n.starts_with(['.', '-'])
+        && n.bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'.' | b'_' | b'-'))
+}
+
+fn valid_id(id: &str) -> bool {
+    id.len() == 12 && id.bytes().all(|c| c.is_ascii_hexdigit())
+}
+
+/// A sandbox's state directory, made: its id, its path. The name (if any) is claimed too.
+pub fn make_dir(name: Option<&str>) -> Result<(String, PathBuf), SandboxError> {
+    let base = base_dir();
+    private_dir(&base)?;
+    if let Some(n) = name {
+        if !valid_name(n) {
+            return Err(SandboxError::BadName(n.into()));
+        }
+    }
+    let id = new_id()?;
+    let dir = base.join(&id);
+    std::fs::create_dir(&dir).map_err(io_err(dir.display()))?;
+    if let Some(n) = name {
+        let names = base.join("names");
+        private_dir(&names)?;
+        if let Err(e) = std::os::unix::fs::symlink(&id, names.join(n)) {
+            let _ = std::fs::remove_dir(&dir);
+            if e.kind() == io::ErrorKind::AlreadyExists {
+                let other = std::fs::read_link(names.join(n))
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default();
+                return Err(SandboxError::NameInUse(n.into(), other));
+            }
+            return Err(io_err(names.join(n).display())(e));
+        }
+    }
+    Ok((id, dir))
+}
+
+/// The id that `id_or_name` means, and its directory.
+pub fn resolve(id_or_name: &str) -> Result<(String, PathBuf), SandboxError> {
+    let base = base_dir();
+    let not_found = || SandboxError::NotFound(id_or_name.into());
+    let id = if valid_id(id_or_name) && base.join(id_or_name).is_dir() {
+        id_or_name.to_string()
+    } else if valid_name(id_or_name) {
+        let link =
+            std::fs::read_link(base.join("names").join(id_or_name)).map_err(|_| not_found())?;
+        let id = link.to_string_lossy().into_owned();
+        if !valid_id(&id) {
+            return Err(not_found());
+        }
+        id
+    } else {
+        return Err(not_found());
+    };
+    let dir = base.join(&id);
+    if !dir.join("state.json").is_file() {
+        return Err(not_found());
+    }
+    Ok((id, dir))
+}
+
+/// Write `info` as `dir/state.json`, whole or not at all (a temporary file renamed over it).
+pub fn write_state(dir: &Path, info: &Info) -> io::Result<()> {
+    let tmp = dir.join("state.json.tmp");
+    std::fs::write(
+        &tmp,
+        serde_json::to_vec_pretty(info).map_err(io::Error::other)?,
+    )?;
+    std::fs::rename(&tmp, dir.join("state.json"))
+}
+
+/// `dir/state.json`, with "dead" for a sandbox whose supervisor is gone while it said running.
+pub fn read_state(dir: &Path) -> Result<Info, SandboxError> {
+    let path = dir.join("state.json");
+    let raw = std::fs::read(&path).map_err(io_err(path.display()))?;
+    let mut info: Info = serde_json::from_slice(&raw)
+        .map_err(|e| SandboxError::Io(path.display().to_string(), io::Error::other(e)))?;
+    if matches!(info.state.as_str(), "starting" | "running" | "stopping") && !alive(info.pid) {
+        info.state = "dead".into();
+        info.ended
+            .get_or_insert_with(|| "its supervisor is gone".into());
+    }
+    Ok(info)
+}
+
+/// Whether process `pid` exists (and is not a zombie).
+pub fn alive(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state is the field after the parenthesised command name.
+        Ok(s) => s
+            .rsplit_once(')')
+            .map(|(_, rest)| !rest.trim_start().starts_with(['Z', 'X']))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Every sandbox of this user, oldest first.
+pub fn list() -> Result<Vec<Info>, SandboxError> {
+    let base = base_dir();
+    let entries = match std::fs::read_dir(&base) {
+        Ok(e) => e,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(base.display())(e)),
+    };
+    let mut all = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if valid_id(&name) {
+            if let Ok(info) = read_state(&e.path()) {
+                all.push(info);
+            }
+        }
+    }
+    all.sort_by(|a, b| (a.created, &a.id).cmp(&(b.created, &b.id)));
+    Ok(all)
+}
+
+/// Remove a sandbox that is not running: its directory and its name.
+pub fn remove(id: &str, dir: &Path) -> Result<(), SandboxError> {
+    let info = read_state(dir)?;
+    if matches!(info.state.as_str(), "starting" | "running" | "stopping") {
+        return Err(SandboxError::Running(id.into()));
+    }
+    // A VMM left behind by a supervisor killed outright dies with it (PR_SET_PDEATHSIG); make
+    // sure of it before the directory goes.
+    if alive(info.vmm_pid) && is_ours(info.vmm_pid, dir) {
+        // SAFETY: kill(2) with plain integers.
+        unsafe { libc::kill(info.vmm_pid as libc::pid_t, libc::SIGKILL) };
+    }
+    remove_dir_and_name(id, dir, info.name.as_deref())
+}
+
+/// Remove `dir` and the name that points at `id`.
+fn remove_dir_and_name(id: &str, dir: &Path, name: Option<&str>) -> Result<(), SandboxError> {
+    if let Some(n) = name {
+        let link = base_dir().join("names").join(n);
+        if std::fs::read_link(&link).is_ok_and(|t| t.as_os_str() == id) {
+            let _ = std::fs::remove_file(&link);
+        }
+    }
+    std::fs::remove_dir_all(dir).map_err(io_err(dir.display()))
+}
+
+/// Whether `pid` is still the process this sandbox started (its environment names `dir`), not
+/// an unrelated one that reused the number.
+fn is_ours(pid: u32, dir: &Path) -> bool {
+    let want = format!("AMVM_SANDBOX_DIR={}", dir.display());
+    std::fs::read(format!("/proc/{pid}/environ"))
+        .map(|env| env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()))
+        .unwrap_or(false)
+}
+
+/// Seconds since the Unix epoch.
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_ids() {
+        for good in ["a", "agent-1", "x.y_z", &"n".repeat(64)] {
+            assert!(valid_name(good), "{good}");
+        }
+        for bad in ["", ".x", "-x", "a/b", "a b", "..", &"n".repeat(65), "é"] {
+            assert!(!valid_name(bad), "{bad}");
+        }
+        assert!(valid_id("0123456789ab"));
+        assert!(!valid_id("0123456789a") && !valid_id("0123456789ag"));
+        let a = new_id().unwrap();
+        assert!(valid_id(&a) && a != new_id().unwrap());
+    }
+}

@@ -1,0 +1,838 @@
+//! A sandbox's supervisor: the process `amvm create` leaves behind.
+//!
+//! `create` checks the flags, makes the state directory, and forks; the child leads a session
+//! of its own (no terminal reaches it), binds `guest.sock` and `api.sock`, and forks the VMM
+//! (the same boot recipe as `amvm run`, in session mode: builder.rs), which dies with it
+//! (PR_SET_PDEATHSIG). All that happens while the process has one thread, as fork and the
+//! VMM's namespaces require; only then does the supervisor start tokio, on one thread.
+//!
+//! The guest's streams arrive on `guest.sock`, each behind the VMM's one-byte tag
+//! (control.rs): the control stream, on which the supervisor sends the run spec and then Exec,
+//! ExecSignal and Shutdown frames and receives Ready; and one stream per exec, which the
+//! supervisor pairs with the API connection that asked for it by the id in its Attach frame.
+//! Every frame from the guest goes through a `FrameParser` for its direction: the guest is not
+//! trusted, and a lie breaks only its own stream.
+//!
+//! `create` learns through a pipe whether the guest reached Ready (then it prints the id) or
+//! why not (then it removes the directory and fails with the reason).
+
+use super::api::{self, ExecRequest, StopRequest, EXEC_UPGRADE};
+use super::{io_err, now, write_state, Config, Info, SandboxError};
+use crate::cli::CreateArgs;
+use crate::config::RunConfig;
+use crate::control::{SESSION_TAG_CONTROL, SESSION_TAG_EXEC};
+use guest_init::protocol::{
+    encode_chunks, encode_frame, exec_signal_payload, Direction, ExecSpec, Frame, FrameKind,
+    FrameParser,
+};
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// How long a guest may take from the VMM's start to Ready.
+const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long an exec may take to connect its stream.
+const ATTACH_TIMEOUT: Duration = Duration::from_secs(60);
+/// After `stop`'s grace, how long the guest has to end before the VMM is killed.
+const STOP_MARGIN: Duration = Duration::from_secs(20);
+
+/// `amvm create`: boot the sandbox; its id once it is ready.
+pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
+    if args.vm.changes.is_some()
+        || args
+            .vm
+            .workspace
+            .as_deref()
+            .is_some_and(|w| w.to_string_lossy().ends_with(":overlay"))
+    {
+        return Err(SandboxError::Unsupported("--workspace DIR:overlay"));
+    }
+    let mut labels = std::collections::BTreeMap::new();
+    for l in &args.labels {
+        match l.split_once('=') {
+            Some((k, v)) if !k.is_empty() => {
+                labels.insert(k.to_string(), v.to_string());
+            }
+            _ => return Err(SandboxError::BadLabel(l.clone())),
+        }
+    }
+    let config = Config {
+        mem_mib: args.vm.mem,
+        cpus: args.vm.cpus,
+        system: args.vm.system.clone(),
+        workspace: args.vm.workspace.clone(),
+        egress: args.vm.egress.clone(),
+        timeout_seconds: args.vm.timeout,
+        user: args.vm.user.clone(),
+        workdir: String::new(),
+        env: args.vm.env.clone(),
+    };
+    // Everything checkable is checked before anything is made; the session path is set once
+    // the directory exists.
+    let mut cfg = args
+        .vm
+        .into_config(Vec::new(), false, Some(PathBuf::from("/")))
+        .map_err(|e| SandboxError::Start(format!("{:#}", anyhow::Error::from(e))))?;
+    let (id, dir) = super::make_dir(args.name.as_deref())?;
+    cfg.session = Some(dir.join("guest.sock"));
+    let info = Info {
+        id: id.clone(),
+        name: args.name,
+        labels,
+        state: "starting".into(),
+        created: now(),
+        pid: 0,
+        vmm_pid: 0,
+        execs: 0,
+        ended: None,
+        config: Config {
+            workdir: String::from_utf8_lossy(&cfg.spec.cwd).into_owned(),
+            ..config
+        },
+    };
+    let fail = |e: SandboxError| {
+        let _ = super::remove_dir_and_name(&id, &dir, info.name.as_deref());
+        e
+    };
+    write_state(&dir, &info)
+        .map_err(io_err(dir.display()))
+        .map_err(fail)?;
+    let (read_end, write_end) = pipe().map_err(io_err("pipe")).map_err(fail)?;
+    // SAFETY: fork(2) from amvm's main thread before it started any other thread; the child
+    // continues as an ordinary single-threaded process.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(fail(io_err("fork")(std::io::Error::last_os_error())));
+    }
+    if pid == 0 {
+        drop(read_end);
+        let code = supervise(cfg, info.clone(), &dir, write_end);
+        // SAFETY: _exit(2) ends the supervisor without running anything of `create`'s.
+        unsafe { libc::_exit(code) };
+    }
+    drop(write_end);
+    let mut said = String::new();
+    let _ = std::fs::File::from(read_end).read_to_string(&mut said);
+    match said.strip_prefix("ok\n") {
+        Some(_) => Ok(id),
+        None => {
+            // The supervisor is gone or going (it killed its VMM before saying so).
+            let mut status = 0;
+            // SAFETY: waitpid(2) for our own child into a local.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            let why = said.trim();
+            Err(fail(SandboxError::Start(if why.is_empty() {
+                "its supervisor died without saying why".into()
+            } else {
+                why.to_string()
+            })))
+        }
+    }
+}
+
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2(2) fills the two-int array it is given; the result is checked.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let r = unsafe { OwnedFd::from_raw_fd(fds[0]) };
+    // SAFETY: as above.
+    let w = unsafe { OwnedFd::from_raw_fd(fds[1]) };
+    Ok((r, w))
+}
+
+/// Point descriptor `target` at `path` (opened for writing, appended) or at /dev/null.
+fn redirect(target: i32, path: Option<&Path>) {
+    let f = match path {
+        Some(p) => std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(p),
+        None => std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null"),
+    };
+    if let Ok(f) = f {
+        // SAFETY: dup2(2) onto one of the standard descriptors; `f` stays valid for the call.
+        unsafe { libc::dup2(f.as_raw_fd(), target) };
+    }
+}
+
+/// The supervisor process; its exit status.
+fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd) -> i32 {
+    // SAFETY: setsid(2) takes nothing; the forked child is not a group leader.
+    unsafe { libc::setsid() };
+    redirect(0, None);
+    redirect(1, None);
+    redirect(2, Some(&dir.join("supervisor.log")));
+    // Marks this sandbox's processes, so `rm` never kills a stranger that reused a pid.
+    // Single-threaded here: nothing reads the environment concurrently.
+    std::env::set_var("AMVM_SANDBOX_DIR", dir);
+    let mut notify = std::fs::File::from(notify);
+    let bind = |name: &str| -> Result<std::os::unix::net::UnixListener, String> {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.join(name);
+        let l = std::os::unix::net::UnixListener::bind(&path)
+            .map_err(|e| format!("binding {}: {e}", path.display()))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        l.set_nonblocking(true)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        Ok(l)
+    };
+    let (guest, api) = match (bind("guest.sock"), bind("api.sock")) {
+        (Ok(g), Ok(a)) => (g, a),
+        (Err(e), _) | (_, Err(e)) => {
+            let _ = notify.write_all(e.as_bytes());
+            return 1;
+        }
+    };
+    let me = std::process::id();
+    // SAFETY: fork(2) while this process has one thread (tokio starts below).
+    let vmm = unsafe { libc::fork() };
+    if vmm < 0 {
+        let _ = writeln!(notify, "fork: {}", std::io::Error::last_os_error());
+        return 1;
+    }
+    if vmm == 0 {
+        // SAFETY: prctl(2) with integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+        if std::os::unix::process::parent_id() != me {
+            // SAFETY: leaves at once.
+            unsafe { libc::_exit(i32::from(crate::exit::AMVM_FAILURE)) };
+        }
+        drop((guest, api, notify));
+        redirect(1, Some(&dir.join("vmm.log")));
+        redirect(2, Some(&dir.join("vmm.log")));
+        let code = match crate::builder::run(&cfg, &crate::builder::Timeline::start()) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("amvm: {:#}", anyhow::Error::from(e));
+                crate::exit::AMVM_FAILURE
+            }
+        };
+        // SAFETY: _exit(2) ends the VMM with its status (its vCPU threads may be in KVM_RUN).
+        unsafe { libc::_exit(i32::from(code)) };
+    }
+    info.pid = me;
+    info.vmm_pid = vmm as u32;
+    let _ = write_state(dir, &info);
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            let _ = writeln!(notify, "starting the supervisor's runtime: {e}");
+            // SAFETY: kill(2) of our own child.
+            unsafe { libc::kill(vmm, libc::SIGKILL) };
+            return 1;
+        }
+    };
+    let spec = cfg.spec.clone();
+    let code = rt.block_on(serve(ServeArgs {
+        dir: dir.to_path_buf(),
+        info,
+        spec,
+        vmm,
+        guest,
+        api,
+        notify,
+    }));
+    let _ = std::fs::remove_file(dir.join("api.sock"));
+    let _ = std::fs::remove_file(dir.join("guest.sock"));
+    code
+}
+
+struct ServeArgs {
+    dir: PathBuf,
+    info: Info,
+    spec: guest_init::protocol::RunSpec,
+    vmm: libc::pid_t,
+    guest: std::os::unix::net::UnixListener,
+    api: std::os::unix::net::UnixListener,
+    notify: std::fs::File,
+}
+
+/// What the tasks share.
+struct Sup {
+    dir: PathBuf,
+    info: Mutex<Info>,
+    spec: guest_init::protocol::RunSpec,
+    vmm: libc::pid_t,
+    /// Frames for the guest's control stream.
+    control: mpsc::UnboundedSender<Vec<u8>>,
+    control_taken: AtomicBool,
+    /// Execs waiting for their stream, by id.
+    pending: Mutex<HashMap<u64, oneshot::Sender<UnixStream>>>,
+    next_id: AtomicU64,
+    /// Set once the VM has ended (and state.json says how).
+    ended: watch::Sender<bool>,
+    stopping: AtomicBool,
+    /// API connections being served.
+    connections: AtomicUsize,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Sup {
+    fn send_control(&self, kind: FrameKind, payload: &[u8]) {
+        let mut f = Vec::with_capacity(payload.len() + 5);
+        encode_frame(kind, payload, &mut f);
+        let _ = self.control.send(f);
+    }
+
+    fn update(&self, f: impl FnOnce(&mut Info)) -> Info {
+        let mut info = lock(&self.info);
+        f(&mut info);
+        if let Err(e) = write_state(&self.dir, &info) {
+            tracing::warn!("writing state.json: {e}");
+        }
+        info.clone()
+    }
+
+    fn snapshot(&self) -> Info {
+        lock(&self.info).clone()
+    }
+}
+
+async fn serve(a: ServeArgs) -> i32 {
+    let (control_tx, control_rx) = mpsc::unbounded_channel();
+    let (ended, _) = watch::channel(false);
+    let sup = Arc::new(Sup {
+        dir: a.dir,
+        info: Mutex::new(a.info),
+        spec: a.spec,
+        vmm: a.vmm,
+        control: control_tx,
+        control_taken: AtomicBool::new(false),
+        pending: Mutex::new(HashMap::new()),
+        next_id: AtomicU64::new(1),
+        ended,
+        stopping: AtomicBool::new(false),
+        connections: AtomicUsize::new(0),
+    });
+    let vmm = a.vmm;
+    let mut vmm_exit = tokio::task::spawn_blocking(move || {
+        let mut status = 0;
+        loop {
+            // SAFETY: waitpid(2) for our own child into a local.
+            let r = unsafe { libc::waitpid(vmm, &mut status, 0) };
+            if r == vmm
+                || (r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR))
+            {
+                return status;
+            }
+        }
+    });
+    let (guest, api) = match (
+        tokio::net::UnixListener::from_std(a.guest),
+        tokio::net::UnixListener::from_std(a.api),
+    ) {
+        (Ok(g), Ok(a)) => (g, a),
+        (Err(e), _) | (_, Err(e)) => {
+            let mut n = a.notify;
+            let _ = writeln!(n, "the supervisor's sockets: {e}");
+            // SAFETY: kill(2) of our own child.
+            unsafe { libc::kill(vmm, libc::SIGKILL) };
+            return 1;
+        }
+    };
+    let (ready_tx, ready_rx) = oneshot::channel::<Result<(), String>>();
+    let mut control_rx = Some(control_rx);
+    let mut ready_tx = Some(ready_tx);
+    let s = sup.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((conn, _)) = guest.accept().await else {
+                continue;
+            };
+            let s = s.clone();
+            // The control stream takes the channel's receiver and the readiness sender.
+            let control = if s.control_taken.load(Ordering::Relaxed) {
+                None
+            } else {
+                Some((control_rx.take(), ready_tx.take()))
+            };
+            tokio::spawn(guest_stream(s, conn, control));
+        }
+    });
+
+    // Boot: Ready, or the VMM's end, or the boot timeout.
+    let mut notify = a.notify;
+    let started = tokio::select! {
+        r = ready_rx => r.unwrap_or_else(|_| Err("the guest's control stream ended".into())),
+        _ = &mut vmm_exit => Err("the VMM exited".into()),
+        _ = tokio::time::sleep(BOOT_TIMEOUT) => Err(format!("the guest was not ready within {} s", BOOT_TIMEOUT.as_secs())),
+    };
+    if let Err(why) = started {
+        let log = std::fs::read_to_string(sup.dir.join("vmm.log")).unwrap_or_default();
+        let log = log.trim();
+        let msg = if log.is_empty() {
+            why
+        } else {
+            log.trim_start_matches("amvm: ").to_string()
+        };
+        let _ = notify.write_all(msg.as_bytes());
+        // SAFETY: kill(2) of our own child.
+        unsafe { libc::kill(vmm, libc::SIGKILL) };
+        let _ = vmm_exit.await;
+        return 1;
+    }
+    sup.update(|i| i.state = "running".into());
+    let _ = notify.write_all(b"ok\n");
+    drop(notify);
+
+    let s = sup.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((conn, _)) = api.accept().await else {
+                continue;
+            };
+            let s = s.clone();
+            s.connections.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                if let Err(e) = api_connection(&s, conn).await {
+                    tracing::debug!("API connection: {e}");
+                }
+                s.connections.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+    });
+
+    let status = vmm_exit.await.unwrap_or(0);
+    let stopped = sup.stopping.load(Ordering::SeqCst);
+    let how = describe_end(status, &sup.dir);
+    sup.update(|i| {
+        i.state = if stopped { "stopped" } else { "exited" }.into();
+        i.ended = Some(if stopped {
+            "stopped by amvm stop".into()
+        } else {
+            how
+        });
+    });
+    lock(&sup.pending).clear();
+    let _ = sup.ended.send(true);
+    // Let the waiting API calls answer before the process goes.
+    for _ in 0..500 {
+        if sup.connections.load(Ordering::SeqCst) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    0
+}
+
+/// How the VMM ended, in words (with the last line it wrote, when it failed).
+fn describe_end(status: i32, dir: &Path) -> String {
+    let last = std::fs::read_to_string(dir.join("vmm.log"))
+        .ok()
+        .and_then(|l| {
+            l.lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .map(str::to_string)
+        });
+    let with_last = |s: String| match &last {
+        Some(l) => format!("{s}: {}", l.trim_start_matches("amvm: ")),
+        None => s,
+    };
+    if libc::WIFSIGNALED(status) {
+        format!("the VMM was killed by signal {}", libc::WTERMSIG(status))
+    } else {
+        match libc::WEXITSTATUS(status) {
+            0 => "the guest shut down".into(),
+            124 => with_last("timed out".into()),
+            n => with_last(format!("the VMM failed (status {n})")),
+        }
+    }
+}
+
+type ControlParts = (
+    Option<mpsc::UnboundedReceiver<Vec<u8>>>,
+    Option<oneshot::Sender<Result<(), String>>>,
+);
+
+/// One stream from `guest.sock`: the control stream or an exec's.
+async fn guest_stream(sup: Arc<Sup>, mut conn: UnixStream, control: Option<ControlParts>) {
+    let Ok(tag) = conn.read_u8().await else {
+        return;
+    };
+    match tag {
+        SESSION_TAG_CONTROL => {
+            let Some((Some(rx), Some(ready))) = control else {
+                return;
+            };
+            if sup.control_taken.swap(true, Ordering::SeqCst) {
+                return;
+            }
+            control_stream(&sup, conn, rx, ready).await;
+        }
+        SESSION_TAG_EXEC => {
+            // Exactly the Attach frame (5-byte header, 8-byte id): what follows is the exec's.
+            let mut head = [0u8; 13];
+            if tokio::time::timeout(ATTACH_TIMEOUT, conn.read_exact(&mut head))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            let mut id = None;
+            let mut p = FrameParser::new(Direction::ToHost);
+            let parsed = p.feed(&head, |f| {
+                if let Frame::Attach(i) = f {
+                    id = Some(i);
+                }
+            });
+            match (parsed, id) {
+                (Ok(()), Some(id)) => {
+                    if let Some(waiting) = lock(&sup.pending).remove(&id) {
+                        let _ = waiting.send(conn);
+                    }
+                }
+                (r, _) => tracing::warn!("an exec stream that did not attach: {r:?}"),
+            }
+        }
+        _ => {}
+    }
+}
+
+async fn control_stream(
+    sup: &Sup,
+    conn: UnixStream,
+    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    ready: oneshot::Sender<Result<(), String>>,
+) {
+    let (mut r, mut w) = conn.into_split();
+    let mut first = Vec::new();
+    encode_frame(FrameKind::Spec, &sup.spec.encode(), &mut first);
+    if w.write_all(&first).await.is_err() {
+        let _ = ready.send(Err("the guest's control stream broke".into()));
+        return;
+    }
+    let mut ready = Some(ready);
+    let mut said = Vec::new();
+    let mut parser = FrameParser::new(Direction::ToHost);
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        tokio::select! {
+            frame = rx.recv() => match frame {
+                Some(f) => if w.write_all(&f).await.is_err() { break },
+                None => break,
+            },
+            n = r.read(&mut buf) => {
+                let n = match n { Ok(0) | Err(_) => break, Ok(n) => n };
+                let mut is_ready = false;
+                let fed = parser.feed(&buf[..n], |f| match f {
+                    Frame::Ready => is_ready = true,
+                    Frame::Stderr(b) if said.len() < 64 * 1024 => said.extend_from_slice(&b),
+                    _ => {}
+                });
+                if let Err(e) = fed {
+                    tracing::warn!("the guest's control stream: {e}");
+                    break;
+                }
+                if is_ready {
+                    if let Some(t) = ready.take() { let _ = t.send(Ok(())); }
+                }
+            }
+        }
+    }
+    if let Some(t) = ready.take() {
+        let said = String::from_utf8_lossy(&said);
+        let said = said.trim();
+        let _ = t.send(Err(if said.is_empty() {
+            "the guest closed its control stream before it was ready".into()
+        } else {
+            said.trim_start_matches("amvm: ").to_string()
+        }));
+    }
+    let _ = w.shutdown().await;
+}
+
+/// Serve one API request.
+async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), String> {
+    let mut buf = Vec::with_capacity(4096);
+    let end = loop {
+        if let Some(end) = api::head_end(&buf) {
+            break end;
+        }
+        if buf.len() > api::MAX_HEAD {
+            return reply_error(&mut conn, 413, "the request head is too large").await;
+        }
+        let mut chunk = [0u8; 4096];
+        let n = conn.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = match api::parse_head(&buf[..end]) {
+        Ok(h) => h,
+        Err(e) => return reply_error(&mut conn, 400, &e).await,
+    };
+    let len = match head.content_length() {
+        Ok(n) => n,
+        Err(e) => return reply_error(&mut conn, 413, &e).await,
+    };
+    let mut rest = buf.split_off(end);
+    while rest.len() < len {
+        let mut chunk = vec![0u8; (len - rest.len()).min(64 * 1024)];
+        let n = conn.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Ok(());
+        }
+        rest.extend_from_slice(&chunk[..n]);
+    }
+    let leftover = rest.split_off(len);
+    let body = rest;
+    let (method, path) = (head.first.0.as_str(), head.first.1.as_str());
+    match (method, path) {
+        ("GET", "/v1/sandbox") => reply_json(&mut conn, 200, &sup.snapshot()).await,
+        ("GET", "/v1/wait") => {
+            let mut ended = sup.ended.subscribe();
+            let _ = ended.wait_for(|e| *e).await;
+            reply_json(&mut conn, 200, &sup.snapshot()).await
+        }
+        ("POST", "/v1/stop") => {
+            let req: StopRequest = match parse_body(&body) {
+                Ok(r) => r,
+                Err(e) => return reply_error(&mut conn, 400, &e).await,
+            };
+            stop(sup, req.grace_seconds);
+            let mut ended = sup.ended.subscribe();
+            let _ = ended.wait_for(|e| *e).await;
+            reply_json(&mut conn, 200, &sup.snapshot()).await
+        }
+        ("POST", "/v1/exec") => {
+            let req: ExecRequest = match parse_body(&body) {
+                Ok(r) => r,
+                Err(e) => return reply_error(&mut conn, 400, &e).await,
+            };
+            if !head
+                .header("upgrade")
+                .is_some_and(|u| u.eq_ignore_ascii_case(EXEC_UPGRADE))
+            {
+                let msg = format!("an exec needs the header `Upgrade: {EXEC_UPGRADE}`");
+                return reply_error(&mut conn, 400, &msg).await;
+            }
+            exec(sup, conn, req, leftover).await
+        }
+        (_, "/v1/sandbox" | "/v1/wait" | "/v1/stop" | "/v1/exec") => {
+            reply_error(&mut conn, 405, &format!("{method} {path}: wrong method")).await
+        }
+        _ => reply_error(&mut conn, 404, &format!("no such endpoint {path}")).await,
+    }
+}
+
+fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
+    let body = if body.is_empty() { &b"{}"[..] } else { body };
+    serde_json::from_slice(body).map_err(|e| format!("the request body: {e}"))
+}
+
+async fn reply_json<T: serde::Serialize>(
+    conn: &mut UnixStream,
+    code: u16,
+    v: &T,
+) -> Result<(), String> {
+    let body = serde_json::to_vec(v).map_err(|e| e.to_string())?;
+    conn.write_all(&api::response(code, &body))
+        .await
+        .map_err(|e| e.to_string())?;
+    let _ = conn.shutdown().await;
+    Ok(())
+}
+
+async fn reply_error(conn: &mut UnixStream, code: u16, msg: &str) -> Result<(), String> {
+    reply_json(conn, code, &api::ErrorBody { error: msg.into() }).await
+}
+
+/// Ask the guest to stop (SIGTERM, `grace` s, SIGKILL); kill the VMM if it has not ended
+/// `STOP_MARGIN` after that.
+fn stop(sup: &Arc<Sup>, grace: u32) {
+    if sup.stopping.swap(true, Ordering::SeqCst) || *sup.ended.borrow() {
+        return;
+    }
+    sup.update(|i| i.state = "stopping".into());
+    sup.send_control(FrameKind::Shutdown, &grace.to_le_bytes());
+    let s = sup.clone();
+    tokio::spawn(async move {
+        let mut ended = s.ended.subscribe();
+        let limit = Duration::from_secs(u64::from(grace)) + STOP_MARGIN;
+        if tokio::time::timeout(limit, ended.wait_for(|e| *e))
+            .await
+            .is_err()
+        {
+            tracing::warn!("the guest did not stop within {limit:?}: killing the VMM");
+            // SAFETY: kill(2) of our own child.
+            unsafe { libc::kill(s.vmm, libc::SIGKILL) };
+        }
+    });
+}
+
+/// The exec spec of `req` on top of the sandbox's defaults, or what is wrong with it.
+fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> {
+    if req.argv.is_empty() {
+        return Err("an exec needs a command (argv is empty)".into());
+    }
+    let info = sup.snapshot();
+    let user = req.user.as_deref().unwrap_or(&info.config.user);
+    let (uid, gid) = crate::config::parse_user(user).map_err(|e| e.to_string())?;
+    let cwd = match &req.workdir {
+        Some(w) if w.starts_with('/') => w.clone(),
+        Some(w) => return Err(format!("-w {w}: the working directory must be absolute")),
+        None => info.config.workdir.clone(),
+    };
+    let mut extra = info.config.env.clone();
+    extra.extend(req.env.iter().cloned());
+    let env = crate::config::workload_env(uid, &extra).map_err(|e| e.to_string())?;
+    let spec = ExecSpec {
+        id,
+        argv: req.argv.iter().map(|a| a.as_bytes().to_vec()).collect(),
+        env,
+        cwd: cwd.into_bytes(),
+        uid,
+        gid,
+        stdin: req.stdin,
+    };
+    let len = spec.encode().len();
+    if len > guest_init::protocol::MAX_SPEC_LEN {
+        return Err(format!(
+            "the command and its environment take {len} bytes, more than the {} allowed",
+            guest_init::protocol::MAX_SPEC_LEN
+        ));
+    }
+    Ok(spec)
+}
+
+async fn exec(
+    sup: &Arc<Sup>,
+    mut conn: UnixStream,
+    req: ExecRequest,
+    leftover: Vec<u8>,
+) -> Result<(), String> {
+    let info = sup.snapshot();
+    if info.state != "running" {
+        let msg = format!("sandbox {} is not running ({})", info.id, info.state);
+        return reply_error(&mut conn, 409, &msg).await;
+    }
+    let id = sup.next_id.fetch_add(1, Ordering::SeqCst);
+    let spec = match exec_spec(sup, id, &req) {
+        Ok(s) => s,
+        Err(e) => return reply_error(&mut conn, 400, &e).await,
+    };
+    let (tx, rx) = oneshot::channel();
+    lock(&sup.pending).insert(id, tx);
+    sup.update(|i| i.execs += 1);
+    sup.send_control(FrameKind::Exec, &spec.encode());
+    let mut ended = sup.ended.subscribe();
+    let guest = tokio::select! {
+        g = tokio::time::timeout(ATTACH_TIMEOUT, rx) => g.ok().and_then(Result::ok),
+        _ = ended.wait_for(|e| *e) => None,
+    };
+    let Some(guest) = guest else {
+        lock(&sup.pending).remove(&id);
+        return reply_error(&mut conn, 500, "the sandbox did not start the command").await;
+    };
+    let head = format!(
+        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: {EXEC_UPGRADE}\r\nConnection: Upgrade\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    relay(sup, id, conn, guest, leftover).await;
+    Ok(())
+}
+
+/// Move one exec's frames: the guest's output to the client (validated, re-encoded), the
+/// client's stdin and signals to the guest. The client leaving kills the process.
+async fn relay(sup: &Sup, id: u64, client: UnixStream, guest: UnixStream, leftover: Vec<u8>) {
+    let (mut cr, mut cw) = client.into_split();
+    let (mut gr, mut gw) = guest.into_split();
+    let to_client = async {
+        let mut parser = FrameParser::new(Direction::ToHost);
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut out = Vec::with_capacity(64 * 1024 + 16);
+        loop {
+            let n = match gr.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            out.clear();
+            let (mut exited, mut bad) = (false, false);
+            let fed = parser.feed(&buf[..n], |f| match f {
+                Frame::Stdout(b) if !exited => encode_chunks(FrameKind::Stdout, &b, &mut out),
+                Frame::Stderr(b) if !exited => encode_chunks(FrameKind::Stderr, &b, &mut out),
+                Frame::Exit(c) if !exited => {
+                    encode_frame(FrameKind::Exit, &[c], &mut out);
+                    exited = true;
+                }
+                _ => bad = true,
+            });
+            if let Err(e) = fed {
+                tracing::warn!("exec {id}: the guest's stream: {e}");
+                return;
+            }
+            if bad {
+                tracing::warn!("exec {id}: the guest sent a frame that has no place here");
+                return;
+            }
+            if cw.write_all(&out).await.is_err() || exited {
+                return;
+            }
+        }
+    };
+    let from_client = async {
+        let mut parser = FrameParser::new(Direction::ToSandbox);
+        let mut pending = leftover;
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut stdin_open = true;
+        loop {
+            let mut frames = Vec::new();
+            if parser.feed(&pending, |f| frames.push(f)).is_err() {
+                return;
+            }
+            for f in frames {
+                match f {
+                    Frame::Stdin(b) if stdin_open => {
+                        // The command no longer reads stdin: the rest is dropped.
+                        stdin_open = gw.write_all(&b).await.is_ok();
+                    }
+                    Frame::StdinEnd if stdin_open => {
+                        stdin_open = false;
+                        let _ = gw.shutdown().await;
+                    }
+                    Frame::Signal(s) => {
+                        sup.send_control(FrameKind::ExecSignal, &exec_signal_payload(id, s))
+                    }
+                    _ => {}
+                }
+            }
+            let n = match cr.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            pending = buf[..n].to_vec();
+        }
+    };
+    tokio::select! {
+        () = to_client => {}
+        () = from_client => {
+            // The client is gone (or broke the protocol): so is its command.
+            sup.send_control(FrameKind::ExecSignal, &exec_signal_payload(id, libc::SIGKILL as u8));
+        }
+    }
+}
