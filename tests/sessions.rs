@@ -489,3 +489,148 @@ fn the_api_works_from_python_http_client() {
         "{v}"
     );
 }
+
+/// `find`-style listing of a tree: path, type, mode, and a symlink's target or a file's bytes.
+fn listing(root: &Path) -> Vec<String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let md = std::fs::symlink_metadata(&p).unwrap();
+        let rel = p.strip_prefix(root).unwrap().display().to_string();
+        let mode = md.permissions().mode() & 0o7777;
+        if md.file_type().is_symlink() {
+            out.push(format!(
+                "{rel} link -> {}",
+                std::fs::read_link(&p).unwrap().display()
+            ));
+        } else if md.is_dir() {
+            out.push(format!("{rel} dir {mode:o}"));
+            for e in std::fs::read_dir(&p).unwrap() {
+                stack.push(e.unwrap().path());
+            }
+        } else {
+            let data = std::fs::read(&p).unwrap();
+            out.push(format!(
+                "{rel} file {mode:o} {} {:x}",
+                data.len(),
+                data.iter()
+                    .fold(0u64, |h, &b| h.wrapping_mul(1_099_511_628_211)
+                        ^ u64::from(b))
+            ));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn cp_copies_trees_in_and_out_byte_exact_with_modes_and_symlinks() {
+    use std::os::unix::fs::PermissionsExt;
+    let w = World::new("cp");
+    let id = w.create(&["--mem", "256"]);
+    let src = w.xdg.join("tree");
+    std::fs::create_dir_all(src.join("sub/empty")).unwrap();
+    std::fs::write(src.join("run.sh"), "#!/bin/sh\necho ran\n").unwrap();
+    std::fs::set_permissions(src.join("run.sh"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(src.join("sub/secret"), "only mine\n").unwrap();
+    std::fs::set_permissions(
+        src.join("sub/secret"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let big: Vec<u8> = (0..(1u32 << 20) + 7)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    std::fs::write(src.join("sub/big.bin"), &big).unwrap();
+    std::os::unix::fs::symlink("../run.sh", src.join("sub/link")).unwrap();
+    std::fs::set_permissions(src.join("sub"), std::fs::Permissions::from_mode(0o750)).unwrap();
+    // In: as /tmp/tree (new), and into an existing directory (/tmp, as /tmp/tree's sibling).
+    let out = w.amvm(&["cp", src.to_str().unwrap(), &format!("{id}:/tmp/copy")]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let out = w.exec(&id, &["sh", "-c", "cd /tmp/copy && ./run.sh && stat -c '%n %a' run.sh sub sub/secret && readlink sub/link && sha256sum sub/big.bin"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let sha = {
+        use sha2::Digest;
+        amvm_tests::egress_server::hex(&sha2::Sha256::digest(&big))
+    };
+    assert_eq!(
+        out.stdout_str(),
+        format!("ran\nrun.sh 755\nsub 750\nsub/secret 600\n../run.sh\n{sha}  sub/big.bin\n")
+    );
+    // Out: the copy back, into an existing directory and as a new path, equals the original.
+    let back = w.xdg.join("back");
+    std::fs::create_dir(&back).unwrap();
+    let out = w.amvm(&["cp", &format!("{id}:/tmp/copy"), back.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(listing(&back.join("copy")), listing(&src));
+    let again = w.xdg.join("again");
+    let out = w.amvm(&[
+        "cp",
+        &format!("{id}:/tmp/copy/sub"),
+        again.to_str().unwrap(),
+    ]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(listing(&again), listing(&src.join("sub")));
+    // `-`: a tar on stdout.
+    let out = w.amvm(&["cp", &format!("{id}:/tmp/copy/run.sh"), "-"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout
+            .windows(10)
+            .any(|w| w == b"echo ran\n\0" || w.starts_with(b"echo ran")),
+        "a tar holding run.sh"
+    );
+    // A guest that hands back a symlink out of the destination gets nothing written.
+    let out = w.exec(
+        &id,
+        &[
+            "sh",
+            "-c",
+            "mkdir /tmp/evil && ln -s /etc/passwd /tmp/evil/pw",
+        ],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let evil = w.xdg.join("evil");
+    let out = w.amvm(&["cp", &format!("{id}:/tmp/evil"), evil.to_str().unwrap()]);
+    assert_eq!(out.code, 125);
+    assert!(out.stderr.contains("absolute"), "{}", out.stderr);
+    assert!(!evil.exists());
+    // Bad paths: one line, exit 125, nothing changed.
+    for (args, why) in [
+        (
+            vec![
+                "cp".to_string(),
+                src.display().to_string(),
+                format!("{id}:/nonexistent/dir/x"),
+            ],
+            "no such directory",
+        ),
+        (
+            vec![
+                "cp".into(),
+                format!("{id}:/tmp/nothing-here"),
+                w.xdg.join("n").display().to_string(),
+            ],
+            "nothing-here",
+        ),
+        (
+            vec!["cp".into(), format!("{id}:relative"), "/tmp".into()],
+            "one side must be",
+        ),
+        (
+            vec![
+                "cp".into(),
+                w.xdg.join("missing").display().to_string(),
+                format!("{id}:/tmp"),
+            ],
+            "missing",
+        ),
+    ] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = w.amvm(&args);
+        assert_eq!(out.code, 125, "{args:?}: {}", out.stderr);
+        assert!(one_line(&out).contains(why), "{args:?}: {}", out.stderr);
+    }
+    assert!(!w.xdg.join("n").exists());
+}

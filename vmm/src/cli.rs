@@ -31,6 +31,15 @@ pub enum Command {
     Create(Box<CreateArgs>),
     /// Run COMMAND in a running sandbox; exit with its status.
     Exec(ExecArgs),
+    /// Copy a file or tree into or out of a sandbox: `cp HOSTPATH SANDBOX:/PATH` or `cp
+    /// SANDBOX:/PATH HOSTPATH` (`-` for a tar on stdin or stdout). Into DEST when it is an
+    /// existing directory, else as DEST.
+    Cp {
+        #[arg(value_name = "SRC")]
+        src: String,
+        #[arg(value_name = "DEST")]
+        dest: String,
+    },
     /// List this user's sandboxes.
     Ls {
         /// One JSON array instead of a table.

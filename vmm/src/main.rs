@@ -56,6 +56,10 @@ fn main() -> ExitCode {
                 ExitCode::from(code)
             }))
         }
+        Command::Cp { src, dest } => {
+            let r = amvm::sandbox::copy::cli(&src, &dest);
+            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+        }
         Command::Ls { json } => {
             let r = amvm::sandbox::commands::ls(json, &mut std::io::stdout().lock());
             return sandbox_result(r.map(|()| ExitCode::SUCCESS));

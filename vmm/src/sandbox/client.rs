@@ -144,6 +144,11 @@ impl Sandbox {
         })
     }
 
+    /// What the caller called it (its name or id).
+    pub fn shown(&self) -> &str {
+        &self.shown
+    }
+
     /// Boot a sandbox with `amvm create ARGS` (`amvm` is the binary to run: a path, or a name
     /// found on $PATH) and open it.
     pub fn create(amvm: &str, args: &[&str]) -> Result<Sandbox, SandboxError> {

@@ -14,6 +14,7 @@
 pub mod api;
 pub mod client;
 pub mod commands;
+pub mod copy;
 pub mod supervisor;
 
 use serde::{Deserialize, Serialize};
@@ -42,6 +43,8 @@ pub enum SandboxError {
     Protocol(String, String),
     #[error("the sandbox did not start: {0}")]
     Start(String),
+    #[error("cp: {0}")]
+    Copy(String),
     #[error("{0} is not supported by amvm create yet")]
     Unsupported(&'static str),
 }
