@@ -7,11 +7,13 @@
 //!   size limits, and re-encoding its frames gives back the bytes it consumed;
 //! * `ChannelSink` writes exactly the Stdout/Stderr payloads to stdout/stderr, records the
 //!   first Exit status and the first protocol error, and always accepts every byte;
-//! * a spec that decodes re-encodes to one that decodes to the same spec.
+//! * a spec that decodes re-encodes to one that decodes to the same spec (run specs and a
+//!   session's exec specs).
 //!
-//! Input: `mode: u8 % 3` (0 guest->VMM frames, also through `ChannelSink`; 1 VMM->guest
-//! frames, each Spec payload also decoded; 2 `RunSpec::decode`), `cuts: u8 % 16` cut lengths
-//! (`u16` each; the last piece is the rest), then the stream itself.
+//! Input: `mode: u8 % 5` (0 guest->VMM frames, also through `ChannelSink`; 1 VMM->guest
+//! frames, each Spec and Exec payload also decoded; 2 `RunSpec::decode`; 3 an API client's
+//! frames to a sandbox's supervisor; 4 `ExecSpec::decode`), `cuts: u8 % 16` cut lengths (`u16`
+//! each; the last piece is the rest), then the stream itself.
 #![no_main]
 
 use amvm::output::{ChannelSink, Report};
@@ -27,6 +29,34 @@ fn kind_of(f: &Frame) -> (FrameKind, &[u8]) {
         Frame::Exit(c) => (FrameKind::Exit, std::slice::from_ref(c)),
         Frame::Spec(b) => (FrameKind::Spec, b),
         Frame::Signal(s) => (FrameKind::Signal, std::slice::from_ref(s)),
+        Frame::Ready => (FrameKind::Ready, &[]),
+        Frame::Attach(_) => (FrameKind::Attach, &[]),
+        Frame::Exec(b) => (FrameKind::Exec, b),
+        Frame::ExecSignal { .. } => (FrameKind::ExecSignal, &[]),
+        Frame::Shutdown { .. } => (FrameKind::Shutdown, &[]),
+        Frame::Stdin(b) => (FrameKind::Stdin, b),
+        Frame::StdinEnd => (FrameKind::StdinEnd, &[]),
+    }
+}
+
+/// A frame's payload as it is on the wire.
+fn payload_of(f: &Frame) -> Vec<u8> {
+    match f {
+        Frame::Attach(id) => id.to_le_bytes().to_vec(),
+        Frame::ExecSignal { id, signal } => exec_signal_payload(*id, *signal).to_vec(),
+        Frame::Shutdown { grace_seconds } => grace_seconds.to_le_bytes().to_vec(),
+        f => kind_of(f).1.to_vec(),
+    }
+}
+
+fn check_exec_spec(raw: &[u8]) {
+    let decoded = ExecSpec::decode(raw);
+    amvm_fuzz::trace!("exec spec: {decoded:?}");
+    if let Ok(spec) = decoded {
+        assert!(!spec.argv.is_empty());
+        let again = spec.encode();
+        assert!(again.len() <= raw.len());
+        assert_eq!(ExecSpec::decode(&again).as_ref(), Ok(&spec));
     }
 }
 
@@ -61,11 +91,15 @@ fn check_spec(raw: &[u8]) {
 
 fuzz_target!(|data: &[u8]| {
     let mut inp = amvm_fuzz::Input::new(data);
-    let mode = inp.u8() % 3;
+    let mode = inp.u8() % 5;
     let cuts: Vec<usize> = (0..inp.u8() % 16).map(|_| usize::from(inp.u16())).collect();
     let stream = inp.rest();
     if mode == 2 {
         check_spec(stream);
+        return;
+    }
+    if mode == 4 {
+        check_exec_spec(stream);
         return;
     }
     let mut pieces: Vec<&[u8]> = Vec::new();
@@ -76,10 +110,10 @@ fuzz_target!(|data: &[u8]| {
         rest = b;
     }
     pieces.push(rest);
-    let dir = if mode == 0 {
-        Direction::ToHost
-    } else {
-        Direction::ToGuest
+    let dir = match mode {
+        0 => Direction::ToHost,
+        1 => Direction::ToGuest,
+        _ => Direction::ToSandbox,
     };
     let (frames, err, idle) = parse(dir, &pieces);
     let (whole_frames, whole_err, whole_idle) = parse(dir, &[stream]);
@@ -92,24 +126,49 @@ fuzz_target!(|data: &[u8]| {
     assert_eq!(idle, whole_idle);
     let mut wire = Vec::new();
     for f in &frames {
-        let (kind, payload) = kind_of(f);
-        let to_host = matches!(
-            kind,
-            FrameKind::Stdout | FrameKind::Stderr | FrameKind::Exit
-        );
-        assert_eq!(
-            to_host,
-            dir == Direction::ToHost,
-            "{kind:?} in the wrong direction"
-        );
-        match kind {
-            FrameKind::Stdout | FrameKind::Stderr => assert!(payload.len() <= MAX_FRAME_PAYLOAD),
-            FrameKind::Spec => assert!(payload.len() <= MAX_SPEC_LEN),
-            _ => assert_eq!(payload.len(), 1),
+        let kind = kind_of(f).0;
+        let payload = payload_of(f);
+        let allowed: &[FrameKind] = match dir {
+            Direction::ToHost => &[
+                FrameKind::Stdout,
+                FrameKind::Stderr,
+                FrameKind::Exit,
+                FrameKind::Ready,
+                FrameKind::Attach,
+            ],
+            Direction::ToGuest => &[
+                FrameKind::Spec,
+                FrameKind::Signal,
+                FrameKind::Exec,
+                FrameKind::ExecSignal,
+                FrameKind::Shutdown,
+            ],
+            Direction::ToSandbox => &[FrameKind::Stdin, FrameKind::StdinEnd, FrameKind::Signal],
+        };
+        assert!(allowed.contains(&kind), "{kind:?} in the wrong direction");
+        let want_len = match kind {
+            FrameKind::Stdout | FrameKind::Stderr | FrameKind::Stdin => {
+                assert!(payload.len() <= MAX_FRAME_PAYLOAD);
+                None
+            }
+            FrameKind::Spec | FrameKind::Exec => {
+                assert!(payload.len() <= MAX_SPEC_LEN);
+                None
+            }
+            FrameKind::Ready | FrameKind::StdinEnd => Some(0),
+            FrameKind::Attach => Some(8),
+            FrameKind::ExecSignal => Some(9),
+            FrameKind::Shutdown => Some(4),
+            FrameKind::Exit | FrameKind::Signal => Some(1),
+        };
+        if let Some(n) = want_len {
+            assert_eq!(payload.len(), n, "{kind:?}");
         }
-        encode_frame(kind, payload, &mut wire);
-        if let Frame::Spec(raw) = f {
-            check_spec(raw);
+        encode_frame(kind, &payload, &mut wire);
+        match f {
+            Frame::Spec(raw) => check_spec(raw),
+            Frame::Exec(raw) => check_exec_spec(raw),
+            _ => {}
         }
     }
     assert!(
@@ -136,7 +195,8 @@ fuzz_target!(|data: &[u8]| {
                 Frame::Exit(c) => {
                     want_exit.get_or_insert(*c);
                 }
-                _ => unreachable!(),
+                // Session frames: a one-shot run ignores them.
+                _ => {}
             }
         }
         assert_eq!(out, want_out);
