@@ -634,3 +634,102 @@ fn cp_copies_trees_in_and_out_byte_exact_with_modes_and_symlinks() {
     }
     assert!(!w.xdg.join("n").exists());
 }
+
+#[test]
+fn twenty_sandboxes_up_at_once_then_all_stopped_leave_nothing_behind() {
+    let w = World::new("twenty");
+    let ids: Vec<String> = (0..20)
+        .map(|i| w.create(&["--mem", "128", "--name", &format!("s{i}")]))
+        .collect();
+    let ls = w.amvm(&["ls", "--json"]);
+    let all: serde_json::Value = serde_json::from_slice(&ls.stdout).unwrap();
+    let running = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["state"] == "running")
+        .count();
+    assert_eq!(running, 20, "{all}");
+    // Each is its own VM: a file written in one is in no other.
+    for (i, id) in ids.iter().enumerate() {
+        let out = w.exec(id, &["sh", "-c", &format!("echo {i} > /tmp/me; ls /tmp")]);
+        assert_eq!(
+            (out.code, out.stdout_str().as_str()),
+            (0, "me\n"),
+            "{i}: {}",
+            out.stderr
+        );
+    }
+    for (i, id) in ids.iter().enumerate() {
+        let out = w.exec(id, &["cat", "/tmp/me"]);
+        assert_eq!(out.stdout_str(), format!("{i}\n"));
+    }
+    let stops: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let (id, xdg) = (id.clone(), w.xdg.clone());
+            std::thread::spawn(move || {
+                Command::new(amvm_bin())
+                    .args(["stop", "--time", "2", &id])
+                    .env("XDG_RUNTIME_DIR", &xdg)
+                    .output()
+                    .unwrap()
+            })
+        })
+        .collect();
+    for s in stops {
+        let out = s.join().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut args = vec!["rm"];
+    args.extend(ids.iter().map(String::as_str));
+    let out = w.amvm(&args);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    for id in &ids {
+        let dir = w.sandbox_dir(id);
+        assert!(!dir.exists(), "{} left", dir.display());
+        assert_eq!(processes_of(&dir), Vec::<u32>::new());
+    }
+    no_process_with(&w.xdg.display().to_string());
+    let names = std::fs::read_dir(w.xdg.join("amvm/names")).unwrap().count();
+    assert_eq!(names, 0, "names left behind");
+}
+
+#[test]
+fn exec_t_gives_a_real_terminal_its_size_and_its_resizes() {
+    let w = World::new("tty");
+    let id = w.create(&["--mem", "256"]);
+    let helper = Path::new(env!("CARGO_MANIFEST_DIR")).join("standin/pty_run.py");
+    let script =
+        "tty; stty size; echo $TERM; echo READY; read line; stty size; echo got:$line; exit 5";
+    let out = Command::new("python3")
+        .arg(&helper)
+        .args([
+            "--after", "READY", "--resize", "30", "100", "--type", "hello\r", "40", "120", "--",
+        ])
+        .arg(amvm_bin())
+        .args(["exec", "-it", &id, "--", "sh", "-c", script])
+        .env("XDG_RUNTIME_DIR", &w.xdg)
+        .env("TERM", "xterm-256color")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).replace("\r\n", "\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(5), "{text}{err}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("/dev/pts/"), "a terminal: {text:?}");
+    assert_eq!(
+        lines[1..4],
+        ["40 120", "xterm-256color", "READY"],
+        "{text:?}"
+    );
+    // The typed line (echoed by the guest's terminal), the new size, what `read` got.
+    assert!(text.ends_with("hello\n30 100\ngot:hello\n"), "{text:?}");
+    // Without -t, no terminal.
+    let out = w.exec(&id, &["sh", "-c", "tty; true"]);
+    assert_eq!(out.stdout_str(), "not a tty\n");
+}

@@ -104,10 +104,10 @@ impl Channel {
                     .parser
                     .feed(&buf[..n], |f| match f {
                         Frame::Signal(s) => signals.push(s),
-                        f
-                        @ (Frame::Exec(_) | Frame::ExecSignal { .. } | Frame::Shutdown { .. }) => {
-                            requests.push(f)
-                        }
+                        f @ (Frame::Exec(_)
+                        | Frame::ExecSignal { .. }
+                        | Frame::ExecResize { .. }
+                        | Frame::Shutdown { .. }) => requests.push(f),
                         _ => {}
                     })
                     .is_err()

@@ -29,7 +29,8 @@
 //! A spec with the session flag (bit 2) has no argv: guest-init sets the guest up, sends one
 //! [`FrameKind::Ready`] and then runs what the host asks, many at once, until told to stop.
 //! VMM -> guest on the control stream: [`FrameKind::Exec`] (an encoded [`ExecSpec`]),
-//! [`FrameKind::ExecSignal`] (`id: u64`, `signal: u8`) and [`FrameKind::Shutdown`]
+//! [`FrameKind::ExecSignal`] (`id: u64`, `signal: u8`), [`FrameKind::ExecResize`] (`id: u64`,
+//! `rows: u16`, `cols: u16`: a terminal exec's window) and [`FrameKind::Shutdown`]
 //! (`grace_seconds: u32`). For each exec guest-init connects a stream of its own to
 //! [`EXEC_PORT`], sends [`FrameKind::Attach`] (`id: u64`) first, then the process's Stdout,
 //! Stderr and one Exit frame, and reads raw stdin bytes from the same stream (the host
@@ -37,11 +38,14 @@
 //! credit: a slow reader slows its process, never another.
 //!
 //! Exec spec layout: magic [`EXEC_MAGIC`], `id: u64`, `uid: u32`, `gid: u32`, `flags: u32`
-//! (bit 0: stdin), `cwd: bytes`, `argv: list`, `env: list`.
+//! (bit 0: stdin, bit 1: a terminal), `rows: u16`, `cols: u16` (the terminal's first window
+//! size), `cwd: bytes`, `argv: list`, `env: list`. A terminal exec's output is all Stdout (its
+//! stdout and stderr are the terminal).
 //!
 //! The API's exec streams (`amvm exec` <-> the sandbox's supervisor) use the same frames: the
 //! supervisor sends Stdout, Stderr and Exit ([`Direction::ToHost`]); the client sends
-//! [`FrameKind::Stdin`], one [`FrameKind::StdinEnd`] and [`FrameKind::Signal`]
+//! [`FrameKind::Stdin`], one [`FrameKind::StdinEnd`], [`FrameKind::Signal`] and
+//! [`FrameKind::Resize`] (`rows: u16`, `cols: u16`)
 //! ([`Direction::ToSandbox`]).
 //!
 //! The VMM treats every byte from the guest as hostile: a [`FrameParser`] for
@@ -137,6 +141,8 @@ pub struct ExecSpec {
     pub gid: u32,
     /// Its stdin is the exec stream's host-to-guest bytes; otherwise /dev/null.
     pub stdin: bool,
+    /// A pseudo-terminal of this many rows and columns for its stdin, stdout and stderr.
+    pub tty: Option<(u16, u16)>,
 }
 
 impl ExecSpec {
@@ -146,7 +152,11 @@ impl ExecSpec {
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&self.uid.to_le_bytes());
         out.extend_from_slice(&self.gid.to_le_bytes());
-        out.extend_from_slice(&u32::from(self.stdin).to_le_bytes());
+        let flags = u32::from(self.stdin) | u32::from(self.tty.is_some()) << 1;
+        out.extend_from_slice(&flags.to_le_bytes());
+        let (rows, cols) = self.tty.unwrap_or((0, 0));
+        out.extend_from_slice(&rows.to_le_bytes());
+        out.extend_from_slice(&cols.to_le_bytes());
         put_bytes(&mut out, &self.cwd);
         for list in [&self.argv, &self.env] {
             out.extend_from_slice(&(list.len() as u32).to_le_bytes());
@@ -166,6 +176,11 @@ impl ExecSpec {
         let uid = r.u32()?;
         let gid = r.u32()?;
         let flags = r.u32()?;
+        let size = r.take(4)?;
+        let (rows, cols) = (
+            u16::from_le_bytes([size[0], size[1]]),
+            u16::from_le_bytes([size[2], size[3]]),
+        );
         let cwd = r.bytes()?.to_vec();
         let argv = r.list()?;
         let env = r.list()?;
@@ -176,6 +191,7 @@ impl ExecSpec {
             return Err(ProtocolError::EmptyArgv);
         }
         Ok(ExecSpec {
+            tty: (flags & 2 != 0).then_some((rows, cols)),
             id,
             argv,
             env,
@@ -406,8 +422,10 @@ pub enum FrameKind {
     Exec = 18,
     ExecSignal = 19,
     Shutdown = 20,
+    ExecResize = 21,
     Stdin = 32,
     StdinEnd = 33,
+    Resize = 34,
 }
 
 /// Which way frames flow; a parser accepts only its direction's kinds.
@@ -415,9 +433,9 @@ pub enum FrameKind {
 pub enum Direction {
     /// guest -> VMM: Stdout, Stderr, Exit.
     ToHost,
-    /// VMM -> guest: Spec, Signal, Exec, ExecSignal, Shutdown.
+    /// VMM -> guest: Spec, Signal, Exec, ExecSignal, ExecResize, Shutdown.
     ToGuest,
-    /// An API client -> a sandbox's supervisor: Stdin, StdinEnd, Signal.
+    /// An API client -> a sandbox's supervisor: Stdin, StdinEnd, Signal, Resize.
     ToSandbox,
 }
 
@@ -430,11 +448,13 @@ impl FrameKind {
             | FrameKind::Exit
             | FrameKind::Ready
             | FrameKind::Attach => &[ToHost],
-            FrameKind::Spec | FrameKind::Exec | FrameKind::ExecSignal | FrameKind::Shutdown => {
-                &[ToGuest]
-            }
+            FrameKind::Spec
+            | FrameKind::Exec
+            | FrameKind::ExecSignal
+            | FrameKind::ExecResize
+            | FrameKind::Shutdown => &[ToGuest],
             FrameKind::Signal => &[ToGuest, ToSandbox],
-            FrameKind::Stdin | FrameKind::StdinEnd => &[ToSandbox],
+            FrameKind::Stdin | FrameKind::StdinEnd | FrameKind::Resize => &[ToSandbox],
         }
     }
 
@@ -455,7 +475,10 @@ impl FrameKind {
             }
             FrameKind::Attach if len != 8 => Err(ProtocolError::BadFixedFrame(self, len, 8)),
             FrameKind::ExecSignal if len != 9 => Err(ProtocolError::BadFixedFrame(self, len, 9)),
-            FrameKind::Shutdown if len != 4 => Err(ProtocolError::BadFixedFrame(self, len, 4)),
+            FrameKind::Shutdown | FrameKind::Resize if len != 4 => {
+                Err(ProtocolError::BadFixedFrame(self, len, 4))
+            }
+            FrameKind::ExecResize if len != 12 => Err(ProtocolError::BadFixedFrame(self, len, 12)),
             _ => Ok(()),
         }
     }
@@ -475,8 +498,10 @@ impl TryFrom<u8> for FrameKind {
             18 => Ok(FrameKind::Exec),
             19 => Ok(FrameKind::ExecSignal),
             20 => Ok(FrameKind::Shutdown),
+            21 => Ok(FrameKind::ExecResize),
             32 => Ok(FrameKind::Stdin),
             33 => Ok(FrameKind::StdinEnd),
+            34 => Ok(FrameKind::Resize),
             other => Err(ProtocolError::UnknownFrameKind(other)),
         }
     }
@@ -515,6 +540,23 @@ pub fn exec_signal_payload(id: u64, signal: u8) -> [u8; 9] {
     p
 }
 
+/// An [`FrameKind::ExecResize`] payload.
+pub fn exec_resize_payload(id: u64, rows: u16, cols: u16) -> [u8; 12] {
+    let mut p = [0u8; 12];
+    p[..8].copy_from_slice(&id.to_le_bytes());
+    p[8..10].copy_from_slice(&rows.to_le_bytes());
+    p[10..].copy_from_slice(&cols.to_le_bytes());
+    p
+}
+
+/// A [`FrameKind::Resize`] payload.
+pub fn resize_payload(rows: u16, cols: u16) -> [u8; 4] {
+    let mut p = [0u8; 4];
+    p[..2].copy_from_slice(&rows.to_le_bytes());
+    p[2..].copy_from_slice(&cols.to_le_bytes());
+    p
+}
+
 /// One decoded frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
@@ -528,6 +570,8 @@ pub enum Frame {
     Exec(Vec<u8>),
     ExecSignal { id: u64, signal: u8 },
     Shutdown { grace_seconds: u32 },
+    ExecResize { id: u64, rows: u16, cols: u16 },
+    Resize { rows: u16, cols: u16 },
     Stdin(Vec<u8>),
     StdinEnd,
 }
@@ -613,6 +657,15 @@ impl FrameParser {
                         },
                         FrameKind::Shutdown => Frame::Shutdown {
                             grace_seconds: u32::from_le_bytes([p[0], p[1], p[2], p[3]]),
+                        },
+                        FrameKind::ExecResize => Frame::ExecResize {
+                            id: le_u64(&p),
+                            rows: u16::from_le_bytes([p[8], p[9]]),
+                            cols: u16::from_le_bytes([p[10], p[11]]),
+                        },
+                        FrameKind::Resize => Frame::Resize {
+                            rows: u16::from_le_bytes([p[0], p[1]]),
+                            cols: u16::from_le_bytes([p[2], p[3]]),
                         },
                         FrameKind::Stdin => Frame::Stdin(p),
                         FrameKind::StdinEnd => Frame::StdinEnd,
@@ -827,6 +880,7 @@ mod tests {
             uid: 1000,
             gid: 1000,
             stdin: true,
+            tty: Some((50, 132)),
         }
     }
 
@@ -869,6 +923,11 @@ mod tests {
             &mut to_guest,
         );
         encode_frame(FrameKind::Shutdown, &9u32.to_le_bytes(), &mut to_guest);
+        encode_frame(
+            FrameKind::ExecResize,
+            &exec_resize_payload(3, 40, 100),
+            &mut to_guest,
+        );
         let mut p = FrameParser::new(Direction::ToGuest);
         let mut got = Vec::new();
         for b in &to_guest {
@@ -877,6 +936,14 @@ mod tests {
         assert_eq!(got[0], Frame::Exec(exec_spec().encode()));
         assert_eq!(got[1], Frame::ExecSignal { id: 7, signal: 2 });
         assert_eq!(got[2], Frame::Shutdown { grace_seconds: 9 });
+        assert_eq!(
+            got[3],
+            Frame::ExecResize {
+                id: 3,
+                rows: 40,
+                cols: 100
+            }
+        );
 
         let mut to_host = Vec::new();
         encode_frame(FrameKind::Ready, &[], &mut to_host);
@@ -891,6 +958,7 @@ mod tests {
         encode_frame(FrameKind::Stdin, b"abc", &mut to_sandbox);
         encode_frame(FrameKind::Signal, &[2], &mut to_sandbox);
         encode_frame(FrameKind::StdinEnd, &[], &mut to_sandbox);
+        encode_frame(FrameKind::Resize, &resize_payload(24, 80), &mut to_sandbox);
         let mut got = Vec::new();
         FrameParser::new(Direction::ToSandbox)
             .feed(&to_sandbox, |f| got.push(f))
@@ -900,7 +968,8 @@ mod tests {
             vec![
                 Frame::Stdin(b"abc".to_vec()),
                 Frame::Signal(2),
-                Frame::StdinEnd
+                Frame::StdinEnd,
+                Frame::Resize { rows: 24, cols: 80 }
             ]
         );
 
@@ -915,6 +984,9 @@ mod tests {
             (Direction::ToSandbox, [18, 0, 0, 0, 0]),
             (Direction::ToSandbox, [5, 8, 0, 0, 0]),
             (Direction::ToGuest, [32, 0, 0, 0, 0]),
+            (Direction::ToSandbox, [34, 3, 0, 0, 0]),
+            (Direction::ToGuest, [21, 4, 0, 0, 0]),
+            (Direction::ToSandbox, [21, 12, 0, 0, 0]),
         ] {
             let r = FrameParser::new(dir).feed(&wire, |f| panic!("accepted {f:?}"));
             assert!(r.is_err(), "{dir:?} {wire:?}");

@@ -120,6 +120,8 @@ impl Drop for ExecCgroup {
 
 /// Everything [`Confinement::enter`] needs, built before the fork (the child may not allocate).
 pub struct Confinement {
+    /// Make stdin (a pseudo-terminal) the controlling terminal of the new session.
+    pub ctty: bool,
     procs_fd: i32,
     uid: u32,
     gid: u32,
@@ -135,6 +137,7 @@ impl Confinement {
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(63);
         Confinement {
+            ctty: false,
             procs_fd: procs.as_raw_fd(),
             uid,
             gid,
@@ -176,6 +179,10 @@ impl Confinement {
         // The workload leads its own session: no controlling terminal, its own process group.
         // SAFETY: setsid(2) takes no arguments.
         check(unsafe { libc::setsid() })?;
+        if self.ctty {
+            // SAFETY: ioctl(2) TIOCSCTTY on descriptor 0 with an integer argument.
+            check(unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) })?;
+        }
         self.filter.install()
     }
 }

@@ -36,6 +36,8 @@ const TICK_MS: i32 = 50;
 struct Procs {
     by_pid: HashMap<libc::pid_t, mpsc::Sender<u8>>,
     by_id: HashMap<u64, libc::pid_t>,
+    /// Terminal execs' pseudo-terminal masters, for their window size.
+    ttys: HashMap<u64, Arc<File>>,
 }
 
 struct Shared {
@@ -87,6 +89,11 @@ pub fn serve(pids_max: u32, extra_env: Vec<Vec<u8>>, chan: &mut Channel) -> Resu
                         // SAFETY: kill(2) with plain integers, to the exec's process group (it
                         // leads its own session); a vanished group gives ESRCH.
                         unsafe { libc::kill(-pid, libc::c_int::from(signal)) };
+                    }
+                }
+                Frame::ExecResize { id, rows, cols } => {
+                    if let Some(master) = lock(&shared.procs).ttys.get(&id) {
+                        let _ = set_window(master, rows, cols);
                     }
                 }
                 Frame::Shutdown { grace_seconds } => {
@@ -163,6 +170,50 @@ fn start(spec: ExecSpec, shared: &Arc<Shared>) {
     }
 }
 
+/// A pseudo-terminal of `rows` x `cols`: its master, and its peer (the slave) owned by
+/// `uid`:`gid`.
+fn open_pty(rows: u16, cols: u16, uid: u32, gid: u32) -> io::Result<(File, File)> {
+    use std::os::fd::FromRawFd;
+    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
+    // SAFETY: open(2) of a literal path; the result is checked.
+    let m = unsafe { libc::open(c"/dev/ptmx".as_ptr(), flags) };
+    if m < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let master = unsafe { File::from_raw_fd(m) };
+    let unlock: libc::c_int = 0;
+    // SAFETY: ioctl(2) TIOCSPTLCK reads the int it is pointed at.
+    if unsafe { libc::ioctl(m, libc::TIOCSPTLCK, &unlock) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: ioctl(2) TIOCGPTPEER with open flags: a new descriptor for the peer, checked.
+    let s = unsafe { libc::ioctl(m, libc::TIOCGPTPEER, flags) };
+    if s < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let slave = unsafe { File::from_raw_fd(s) };
+    // SAFETY: fchown(2) on a descriptor we own.
+    unsafe { libc::fchown(s, uid, gid) };
+    set_window(&master, rows, cols)?;
+    Ok((master, slave))
+}
+
+fn set_window(master: &File, rows: u16, cols: u16) -> io::Result<()> {
+    let ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: ioctl(2) TIOCSWINSZ reads the winsize it is pointed at.
+    if unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCSWINSZ, &ws) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// The exec's stream to the host: frames out.
 struct Stream {
     sock: File,
@@ -236,13 +287,33 @@ fn run(
     };
     let mut cmd = command(&spec.argv, &env);
     cmd.current_dir(OsStr::from_bytes(&spec.cwd));
-    cmd.stdin(if spec.stdin {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    });
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
+    let mut confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
+    let master = match spec.tty {
+        Some((rows, cols)) => {
+            let (master, slave) = match open_pty(rows, cols, spec.uid, spec.gid) {
+                Ok(p) => p,
+                Err(e) => {
+                    let msg = format!("amvm: a pseudo-terminal: {e}\n");
+                    stream.send(FrameKind::Stderr, msg.as_bytes())?;
+                    return Ok((crate::workload::EXIT_SETUP_FAILURE, None));
+                }
+            };
+            cmd.stdin(slave.try_clone()?)
+                .stdout(slave.try_clone()?)
+                .stderr(slave);
+            confinement.ctty = true;
+            Some(Arc::new(master))
+        }
+        None => {
+            cmd.stdin(if spec.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+            None
+        }
+    };
     // SAFETY: the hook runs between fork and exec and only makes async-signal-safe system calls
     // on memory built before the fork (see `Confinement::enter`).
     unsafe { cmd.pre_exec(move || confinement.enter()) };
@@ -255,6 +326,9 @@ fn run(
                 let pid = child.id() as libc::pid_t;
                 procs.by_pid.insert(pid, tx);
                 procs.by_id.insert(spec.id, pid);
+                if let Some(m) = &master {
+                    procs.ttys.insert(spec.id, m.clone());
+                }
                 child
             }
             Err(e) => {
@@ -265,7 +339,14 @@ fn run(
             }
         }
     };
-    let stdin_thread = match child.stdin.take() {
+    // The terminal's peer lives on only in the child.
+    drop(cmd);
+    let stdin_to: Option<Box<dyn Write + Send>> = match (&master, child.stdin.take()) {
+        (Some(m), _) if spec.stdin => Some(Box::new(m.try_clone()?)),
+        (_, Some(pipe)) => Some(Box::new(pipe)),
+        _ => None,
+    };
+    let stdin_thread = match stdin_to {
         Some(mut to) => {
             let mut from = stream.sock.try_clone()?;
             Some(
@@ -292,10 +373,20 @@ fn run(
         }
         None => None,
     };
-    let mut out = child.stdout.take().expect("piped stdout");
-    let mut err = child.stderr.take().expect("piped stderr");
+    // Output: the terminal's master (all of it Stdout), or the two pipes.
+    let (mut out, mut err): (File, Option<File>) = match &master {
+        Some(m) => (m.try_clone()?, None),
+        None => (
+            File::from(std::os::fd::OwnedFd::from(
+                child.stdout.take().expect("piped stdout"),
+            )),
+            Some(File::from(std::os::fd::OwnedFd::from(
+                child.stderr.take().expect("piped stderr"),
+            ))),
+        ),
+    };
     let mut buf = vec![0u8; 64 * 1024];
-    let mut open = [true, true];
+    let mut open = [true, err.is_some()];
     let mut status: Option<u8> = None;
     loop {
         if status.is_none() {
@@ -309,6 +400,7 @@ fn run(
                 if s == 128 + libc::SIGKILL as u8 && shared.cgroup.oom_kills() > oom_before {
                     stream.send(FrameKind::Stderr, b"amvm: killed: out of memory\n")?;
                 }
+                lock(&shared.procs).ttys.remove(&spec.id);
                 return Ok((s, stdin_thread));
             }
         }
@@ -319,7 +411,10 @@ fn run(
                 revents: 0,
             },
             libc::pollfd {
-                fd: if open[1] { err.as_raw_fd() } else { -1 },
+                fd: match (&err, open[1]) {
+                    (Some(e), true) => e.as_raw_fd(),
+                    _ => -1,
+                },
                 events: libc::POLLIN,
                 revents: 0,
             },
@@ -337,10 +432,10 @@ fn run(
             if !open[i] || pfd.revents == 0 {
                 continue;
             }
-            let r = if i == 0 {
-                out.read(&mut buf)
-            } else {
-                err.read(&mut buf)
+            let r = match (i, &mut err) {
+                (0, _) => out.read(&mut buf),
+                (_, Some(e)) => e.read(&mut buf),
+                _ => continue,
             };
             let kind = if i == 0 {
                 FrameKind::Stdout
@@ -348,11 +443,13 @@ fn run(
                 FrameKind::Stderr
             };
             match r {
+                // A terminal's master reads EIO once every holder of its peer is gone.
                 Ok(0) | Err(_) => open[i] = false,
                 Ok(n) => {
                     if let Err(e) = stream.send(kind, &buf[..n]) {
                         // The host is gone: the process goes too.
                         cgroup.kill();
+                        lock(&shared.procs).ttys.remove(&spec.id);
                         return Err(e);
                     }
                 }

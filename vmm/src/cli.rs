@@ -171,6 +171,10 @@ pub struct ExecArgs {
     /// Forward stdin to the command.
     #[arg(short = 'i', long)]
     pub interactive: bool,
+    /// Give the command a pseudo-terminal (the caller's terminal in raw mode meanwhile, its
+    /// window size passed on and kept up to date). With -i for interactive programs.
+    #[arg(short = 't', long)]
+    pub tty: bool,
     /// Set an environment variable (on top of the sandbox's own). Repeatable.
     #[arg(short = 'e', long = "env", value_name = "KEY=VAL")]
     pub env: Vec<String>,

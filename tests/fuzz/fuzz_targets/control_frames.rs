@@ -2,7 +2,7 @@
 //! (`vmm/src/output.rs`'s `ChannelSink`), over arbitrary bytes cut at arbitrary points, and
 //! `RunSpec::decode` over arbitrary bytes. Checked:
 //!
-//! * a `FrameParser` (either direction) yields the same frames and the same error however the
+//! * a `FrameParser` (any direction) yields the same frames and the same error however the
 //!   stream is cut, stays failed after an error, yields only its direction's kinds within their
 //!   size limits, and re-encoding its frames gives back the bytes it consumed;
 //! * `ChannelSink` writes exactly the Stdout/Stderr payloads to stdout/stderr, records the
@@ -34,6 +34,8 @@ fn kind_of(f: &Frame) -> (FrameKind, &[u8]) {
         Frame::Exec(b) => (FrameKind::Exec, b),
         Frame::ExecSignal { .. } => (FrameKind::ExecSignal, &[]),
         Frame::Shutdown { .. } => (FrameKind::Shutdown, &[]),
+        Frame::ExecResize { .. } => (FrameKind::ExecResize, &[]),
+        Frame::Resize { .. } => (FrameKind::Resize, &[]),
         Frame::Stdin(b) => (FrameKind::Stdin, b),
         Frame::StdinEnd => (FrameKind::StdinEnd, &[]),
     }
@@ -45,6 +47,8 @@ fn payload_of(f: &Frame) -> Vec<u8> {
         Frame::Attach(id) => id.to_le_bytes().to_vec(),
         Frame::ExecSignal { id, signal } => exec_signal_payload(*id, *signal).to_vec(),
         Frame::Shutdown { grace_seconds } => grace_seconds.to_le_bytes().to_vec(),
+        Frame::ExecResize { id, rows, cols } => exec_resize_payload(*id, *rows, *cols).to_vec(),
+        Frame::Resize { rows, cols } => resize_payload(*rows, *cols).to_vec(),
         f => kind_of(f).1.to_vec(),
     }
 }
@@ -141,9 +145,15 @@ fuzz_target!(|data: &[u8]| {
                 FrameKind::Signal,
                 FrameKind::Exec,
                 FrameKind::ExecSignal,
+                FrameKind::ExecResize,
                 FrameKind::Shutdown,
             ],
-            Direction::ToSandbox => &[FrameKind::Stdin, FrameKind::StdinEnd, FrameKind::Signal],
+            Direction::ToSandbox => &[
+                FrameKind::Stdin,
+                FrameKind::StdinEnd,
+                FrameKind::Signal,
+                FrameKind::Resize,
+            ],
         };
         assert!(allowed.contains(&kind), "{kind:?} in the wrong direction");
         let want_len = match kind {
@@ -158,7 +168,8 @@ fuzz_target!(|data: &[u8]| {
             FrameKind::Ready | FrameKind::StdinEnd => Some(0),
             FrameKind::Attach => Some(8),
             FrameKind::ExecSignal => Some(9),
-            FrameKind::Shutdown => Some(4),
+            FrameKind::Shutdown | FrameKind::Resize => Some(4),
+            FrameKind::ExecResize => Some(12),
             FrameKind::Exit | FrameKind::Signal => Some(1),
         };
         if let Some(n) = want_len {

@@ -29,6 +29,17 @@ pub struct ExecRequest {
     /// The stream carries the command's stdin (else it reads /dev/null).
     #[serde(default)]
     pub stdin: bool,
+    /// A pseudo-terminal of this size for the command (its output then all comes as stdout
+    /// frames); `TERM` defaults to `xterm`.
+    #[serde(default)]
+    pub tty: Option<TtySize>,
+}
+
+/// A terminal's window.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+pub struct TtySize {
+    pub rows: u16,
+    pub cols: u16,
 }
 
 /// `POST /v1/stop`.
@@ -169,7 +180,8 @@ mod tests {
                 env: vec![],
                 workdir: None,
                 user: None,
-                stdin: false
+                stdin: false,
+                tty: None
             }
         );
         let s: StopRequest = serde_json::from_str("{}").unwrap();

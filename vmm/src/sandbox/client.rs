@@ -84,6 +84,14 @@ impl Sender {
         self.send(FrameKind::StdinEnd, &[])
     }
 
+    /// The terminal's new window size (an exec made with `tty`).
+    pub fn resize(&self, rows: u16, cols: u16) -> std::io::Result<()> {
+        self.send(
+            FrameKind::Resize,
+            &guest_init::protocol::resize_payload(rows, cols),
+        )
+    }
+
     /// Signal `sig` to the command's process group.
     pub fn signal(&self, sig: u8) -> std::io::Result<()> {
         self.send(FrameKind::Signal, &[sig])
@@ -255,6 +263,7 @@ impl Sandbox {
             workdir: None,
             user: None,
             stdin: false,
+            tty: None,
         })?;
         let mut out = Output {
             status: 0,

@@ -25,13 +25,51 @@ pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
     // Ctrl-C and friends go to the command, not to us: blocked here, read from a signalfd.
     let signals = crate::signals::Signals::block()
         .map_err(|e| SandboxError::Io("blocking signals".into(), e))?;
+    let mut env = Vec::with_capacity(args.env.len() + 1);
+    let tty = if args.tty {
+        // The caller's TERM, as docker exec -t passes it; an explicit -e wins.
+        if let Some(term) = std::env::var("TERM").ok().filter(|t| !t.is_empty()) {
+            env.push(format!("TERM={term}"));
+        }
+        let (rows, cols) = window_size().unwrap_or((24, 80));
+        Some(super::api::TtySize { rows, cols })
+    } else {
+        None
+    };
+    env.extend(args.env);
     let mut stream = sb.exec(&ExecRequest {
         argv,
-        env: args.env,
+        env,
         workdir: args.workdir,
         user: args.user,
         stdin: args.interactive,
+        tty,
     })?;
+    // Raw mode on the caller's terminal while the command has one of its own (restored when
+    // this returns), and its window size kept up to date.
+    let _raw = if args.tty && args.interactive {
+        RawMode::enter()
+    } else {
+        None
+    };
+    if args.tty {
+        let tx = stream.sender();
+        std::thread::spawn(move || {
+            let mut last = window_size();
+            loop {
+                std::thread::sleep(std::time::Duration::from_millis(200));
+                let now = window_size();
+                if now != last {
+                    if let Some((rows, cols)) = now {
+                        if tx.resize(rows, cols).is_err() {
+                            return;
+                        }
+                    }
+                    last = now;
+                }
+            }
+        });
+    }
     let tx = stream.sender();
     std::thread::spawn(move || loop {
         let mut pfd = libc::pollfd {
@@ -85,6 +123,48 @@ pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
             Some(Event::Exit(c)) => return Ok(c),
             None => unreachable!("next_event() errs at a stream without Exit"),
         }
+    }
+}
+
+/// The caller's terminal window (of stdout, else stdin), if either is a terminal.
+fn window_size() -> Option<(u16, u16)> {
+    for fd in [1, 0, 2] {
+        // SAFETY: winsize is plain data; all-zero is a valid value.
+        let mut ws: libc::winsize = unsafe { std::mem::zeroed() };
+        // SAFETY: ioctl(2) TIOCGWINSZ writes the winsize it is pointed at.
+        if unsafe { libc::ioctl(fd, libc::TIOCGWINSZ, &mut ws) } == 0 && ws.ws_row > 0 {
+            return Some((ws.ws_row, ws.ws_col));
+        }
+    }
+    None
+}
+
+/// The caller's terminal (stdin) in raw mode until dropped.
+struct RawMode(libc::termios);
+
+impl RawMode {
+    fn enter() -> Option<RawMode> {
+        // SAFETY: termios is plain data; all-zero is a valid value before tcgetattr fills it.
+        let mut t: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: tcgetattr(3) on descriptor 0 into a local; fails when stdin is no terminal.
+        if unsafe { libc::tcgetattr(0, &mut t) } != 0 {
+            return None;
+        }
+        let saved = t;
+        // SAFETY: cfmakeraw(3) edits the local termios.
+        unsafe { libc::cfmakeraw(&mut t) };
+        // SAFETY: tcsetattr(3) on descriptor 0 from a local.
+        if unsafe { libc::tcsetattr(0, libc::TCSANOW, &t) } != 0 {
+            return None;
+        }
+        Some(RawMode(saved))
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        // SAFETY: tcsetattr(3) on descriptor 0 from the saved termios.
+        unsafe { libc::tcsetattr(0, libc::TCSANOW, &self.0) };
     }
 }
 

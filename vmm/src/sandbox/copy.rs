@@ -67,6 +67,7 @@ impl Sandbox {
             workdir: Some("/".into()),
             user: None,
             stdin,
+            tty: None,
         })
     }
 

@@ -22,8 +22,8 @@ use crate::cli::CreateArgs;
 use crate::config::RunConfig;
 use crate::control::{SESSION_TAG_CONTROL, SESSION_TAG_EXEC};
 use guest_init::protocol::{
-    encode_chunks, encode_frame, exec_signal_payload, Direction, ExecSpec, Frame, FrameKind,
-    FrameParser,
+    encode_chunks, encode_frame, exec_resize_payload, exec_signal_payload, Direction, ExecSpec,
+    Frame, FrameKind, FrameParser,
 };
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -697,6 +697,9 @@ fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> 
         None => info.config.workdir.clone(),
     };
     let mut extra = info.config.env.clone();
+    if req.tty.is_some() {
+        extra.push("TERM=xterm".into());
+    }
     extra.extend(req.env.iter().cloned());
     let env = crate::config::workload_env(uid, &extra).map_err(|e| e.to_string())?;
     let spec = ExecSpec {
@@ -707,6 +710,7 @@ fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> 
         uid,
         gid,
         stdin: req.stdin,
+        tty: req.tty.map(|t| (t.rows, t.cols)),
     };
     let len = spec.encode().len();
     if len > guest_init::protocol::MAX_SPEC_LEN {
@@ -815,6 +819,8 @@ async fn relay(sup: &Sup, id: u64, client: UnixStream, guest: UnixStream, leftov
                         stdin_open = false;
                         let _ = gw.shutdown().await;
                     }
+                    Frame::Resize { rows, cols } => sup
+                        .send_control(FrameKind::ExecResize, &exec_resize_payload(id, rows, cols)),
                     Frame::Signal(s) => {
                         sup.send_control(FrameKind::ExecSignal, &exec_signal_payload(id, s))
                     }
