@@ -379,6 +379,29 @@ fn a_vmm_killed_outright_shows_in_ls_and_rm_cleans_up() {
 }
 
 #[test]
+fn an_idle_sandbox_stops_by_itself_but_not_while_an_exec_runs() {
+    let w = World::new("idle");
+    let id = w.create(&["--mem", "128", "--idle-timeout", "3"]);
+    // An exec that outlasts the idle timeout keeps the sandbox up and ends on its own.
+    let out = w.exec(&id, &["sh", "-c", "sleep 6; echo slept"]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "slept\n"),
+        "{}",
+        out.stderr
+    );
+    let out = w.amvm(&["wait", &id]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["state"], "stopped", "{info}");
+    assert!(
+        info["ended"].as_str().unwrap().contains("--idle-timeout"),
+        "{info}"
+    );
+    assert_eq!(processes_of(&w.sandbox_dir(&id)), Vec::<u32>::new());
+}
+
+#[test]
 fn bad_input_gets_one_line_and_changes_nothing() {
     let w = World::new("bad");
     for (args, why) in [
@@ -389,6 +412,10 @@ fn bad_input_gets_one_line_and_changes_nothing() {
         (
             &["create", "--label", "novalue"][..],
             "--label novalue: say KEY=VAL",
+        ),
+        (
+            &["create", "--workspace", "/tmp:overlay"][..],
+            "not supported by amvm create yet",
         ),
         (
             &["create", "--kernel", "/nonexistent/vmlinux"][..],

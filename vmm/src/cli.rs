@@ -163,6 +163,9 @@ pub struct CreateArgs {
     /// A label, shown by `amvm inspect` and `amvm ls --json`. Repeatable.
     #[arg(long = "label", value_name = "KEY=VAL")]
     pub labels: Vec<String>,
+    /// Stop the sandbox once no exec has run for SECS seconds.
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout: Option<u64>,
 }
 
 /// `amvm exec`.

@@ -85,6 +85,9 @@ pub struct Config {
     pub workspace: Option<PathBuf>,
     pub egress: Option<PathBuf>,
     pub timeout_seconds: Option<u64>,
+    /// Stopped once no exec has run for this long (`--idle-timeout`).
+    #[serde(default)]
+    pub idle_timeout_seconds: Option<u64>,
     /// The execs' defaults.
     pub user: String,
     pub workdir: String,

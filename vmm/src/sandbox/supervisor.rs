@@ -70,6 +70,7 @@ pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
         workspace: args.vm.workspace.clone(),
         egress: args.vm.egress.clone(),
         timeout_seconds: args.vm.timeout,
+        idle_timeout_seconds: args.idle_timeout,
         user: args.vm.user.clone(),
         workdir: String::new(),
         env: args.vm.env.clone(),
@@ -280,6 +281,11 @@ struct Sup {
     /// Set once the VM has ended (and state.json says how).
     ended: watch::Sender<bool>,
     stopping: AtomicBool,
+    /// Why it is stopping, when not by `amvm stop`.
+    stop_reason: Mutex<Option<String>>,
+    /// Execs running, and when the last one ended (for `--idle-timeout`).
+    active_execs: AtomicUsize,
+    last_active: Mutex<std::time::Instant>,
     /// API connections being served.
     connections: AtomicUsize,
 }
@@ -323,6 +329,9 @@ async fn serve(a: ServeArgs) -> i32 {
         next_id: AtomicU64::new(1),
         ended,
         stopping: AtomicBool::new(false),
+        stop_reason: Mutex::new(None),
+        active_execs: AtomicUsize::new(0),
+        last_active: Mutex::new(std::time::Instant::now()),
         connections: AtomicUsize::new(0),
     });
     let vmm = a.vmm;
@@ -393,6 +402,7 @@ async fn serve(a: ServeArgs) -> i32 {
         return 1;
     }
     sup.update(|i| i.state = "running".into());
+    *lock(&sup.last_active) = std::time::Instant::now();
     let _ = notify.write_all(b"ok\n");
     drop(notify);
 
@@ -413,13 +423,33 @@ async fn serve(a: ServeArgs) -> i32 {
         }
     });
 
+    if let Some(idle) = sup.snapshot().config.idle_timeout_seconds {
+        let s = sup.clone();
+        tokio::spawn(async move {
+            let idle = Duration::from_secs(idle);
+            loop {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                let quiet = lock(&s.last_active).elapsed();
+                if s.active_execs.load(Ordering::SeqCst) == 0 && quiet >= idle {
+                    *lock(&s.stop_reason) = Some(format!(
+                        "stopped after {} s without an exec (--idle-timeout)",
+                        idle.as_secs()
+                    ));
+                    stop(&s, 10);
+                    return;
+                }
+            }
+        });
+    }
+
     let status = vmm_exit.await.unwrap_or(0);
     let stopped = sup.stopping.load(Ordering::SeqCst);
     let how = describe_end(status, &sup.dir);
+    let reason = lock(&sup.stop_reason).take();
     sup.update(|i| {
         i.state = if stopped { "stopped" } else { "exited" }.into();
         i.ended = Some(if stopped {
-            "stopped by amvm stop".into()
+            reason.unwrap_or_else(|| "stopped by amvm stop".into())
         } else {
             how
         });
@@ -757,7 +787,10 @@ async fn exec(
     conn.write_all(head.as_bytes())
         .await
         .map_err(|e| e.to_string())?;
+    sup.active_execs.fetch_add(1, Ordering::SeqCst);
     relay(sup, id, conn, guest, leftover).await;
+    *lock(&sup.last_active) = std::time::Instant::now();
+    sup.active_execs.fetch_sub(1, Ordering::SeqCst);
     Ok(())
 }
 

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Long-lived sandbox benchmark (see tests/bench/sessions). Prints one table.
+
+Rows, each a median over RUNS (a fresh sandbox per run):
+* `amvm exec ID -- true`, wall clock on the host, EXECS in a row: the API round trip, the exec
+  stream through the VMM's vsock, the spawn in the guest, the exit status back;
+* `amvm run -- true`, wall clock: what the same command costs without a sandbox kept up (a VM
+  booted and torn down per command);
+* `true` spawned EXECS times inside the guest by its shell (its own clock): the floor;
+* an idle sandbox's host memory: the PSS of its supervisor, its VMM and its virtiofsd
+  (/proc/PID/smaps_rollup), after one exec, against the guest RAM it was given.
+"""
+import argparse, json, os, shutil, statistics, subprocess, sys, tempfile, time
+
+
+def pss_kib(pid):
+    try:
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def descendants(pid):
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--amvm", required=True)
+    ap.add_argument("--execs", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--mem", type=int, default=256)
+    a = ap.parse_args()
+    xdg = tempfile.mkdtemp(prefix="amvm-bench-sessions-")
+    env = dict(os.environ, XDG_RUNTIME_DIR=xdg)
+    run = lambda *args, **kw: subprocess.run([a.amvm, *args], env=env, capture_output=True, text=True, **kw)
+    execs, runs, inside, mem = [], [], [], []
+    try:
+        for _ in range(a.runs):
+            p = run("create", "--mem", str(a.mem), "--timeout", "3600")
+            if p.returncode != 0:
+                print(f"create: {p.stderr}", file=sys.stderr)
+                return 1
+            sid = p.stdout.strip()
+            run("exec", sid, "--", "true", check=True)
+            time.sleep(1)
+            info = json.loads(run("inspect", sid, check=True).stdout)
+            mem.append(sum(pss_kib(p) for p in descendants(info["pid"])) / 1024)
+            t0 = time.monotonic()
+            for _ in range(a.execs):
+                run("exec", sid, "--", "true", check=True)
+            execs.append((time.monotonic() - t0) / a.execs)
+            loop = (f"a=$(cut -d' ' -f1 /proc/uptime); i=0; while [ $i -lt {a.execs} ]; do /bin/true; i=$((i+1)); done;"
+                    " b=$(cut -d' ' -f1 /proc/uptime); echo $a $b")
+            s, e = map(float, run("exec", sid, "--", "sh", "-c", loop, check=True).stdout.split())
+            inside.append((e - s) / a.execs)
+            run("rm", "-f", sid, check=True)
+            t0 = time.monotonic()
+            p = subprocess.run([a.amvm, "run", "--mem", str(a.mem), "--", "true"], capture_output=True, text=True)
+            if p.returncode != 0:
+                print(f"run: {p.stderr}", file=sys.stderr)
+                return 1
+            runs.append(time.monotonic() - t0)
+        ms = lambda xs: f"{statistics.median(xs) * 1e3:9.1f} ({min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})"
+        e, r, i, m = (statistics.median(x) for x in (execs, runs, inside, mem))
+        print(f"\nsandbox benchmark: {a.runs} runs of {a.execs} execs, medians (min-max)")
+        print(f"{'row':44} {'value':>24}")
+        print(f"{'amvm exec ID -- true, ms':44} {ms(execs):>24}")
+        print(f"{'amvm run -- true (a fresh VM), ms':44} {ms(runs):>24}")
+        print(f"{'true spawned inside the guest, ms':44} {ms(inside):>24}")
+        print(f"{'idle sandbox host PSS, MiB':44} {m:9.1f} ({min(mem):.1f}-{max(mem):.1f})")
+        print(f"exec vs a fresh VM: {r / e:.1f}x faster; exec vs an in-guest spawn: {e / i:.1f}x; "
+              f"idle PSS is {m / a.mem * 100:.1f}% of the {a.mem} MiB guest")
+        print(f"SUMMARY|sandbox: amvm exec -- true|{e * 1e3:.1f} ms|{r * 1e3:.1f} ms (amvm run -- true)|{e / r:.2f}|")
+        print(f"SUMMARY|sandbox: exec vs in-guest spawn|{e * 1e3:.1f} ms|{i * 1e3:.2f} ms (in guest)|{e / i:.1f}|")
+        print(f"SUMMARY|sandbox: idle host PSS|{m:.1f} MiB|{a.mem} MiB (guest RAM)|{m / a.mem:.3f}|")
+        return 0
+    finally:
+        for d in os.listdir(os.path.join(xdg, "amvm")) if os.path.isdir(os.path.join(xdg, "amvm")) else []:
+            if len(d) == 12:
+                run("rm", "-f", d)
+        shutil.rmtree(xdg, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
