@@ -401,6 +401,206 @@ fn an_idle_sandbox_stops_by_itself_but_not_while_an_exec_runs() {
     assert_eq!(processes_of(&w.sandbox_dir(&id)), Vec::<u32>::new());
 }
 
+/// Forks children that sleep until a fork fails; prints how many it made and the errno.
+const FORK_UNTIL_REFUSED: &str = r#"
+import os, time
+n = 0
+try:
+    while n < 10000:
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print("forks", n, "then errno", e.errno)
+"#;
+
+#[test]
+fn an_exec_that_hits_the_pids_or_memory_limit_leaves_the_sandbox_serving() {
+    let w = World::new("limits");
+    let id = w.create(&["--mem", "256", "--pids", "40"]);
+    // The fork bomb stops at the sandbox's pids.max; its children die with it (its cgroup).
+    let out = w.exec(&id, &["python3", "-c", FORK_UNTIL_REFUSED]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "forks 39 then errno 11\n"),
+        "{}",
+        out.stderr
+    );
+    let out = w.exec(
+        &id,
+        &[
+            "sh",
+            "-c",
+            "echo alive; cat /sys/fs/cgroup/workload/pids.current",
+        ],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(
+        out.stdout_str().starts_with("alive\n"),
+        "{}",
+        out.stdout_str()
+    );
+    // Out of memory: that exec is killed (137, said so), the next one runs.
+    let out = w.exec(
+        &id,
+        &[
+            "python3",
+            "-c",
+            "l = []\nfor i in range(16):\n    l.append(b'x' * (64 << 20))\nprint('all allocated')",
+        ],
+    );
+    assert_eq!(out.code, 137, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("amvm: killed: out of memory"),
+        "{}",
+        out.stderr
+    );
+    let out = w.exec(&id, &["echo", "still here"]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "still here\n"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(w.inspect(&id)["state"], "running");
+}
+
+/// Every file under `dir` with its content (symlinks as `-> target`), sorted.
+fn tree(dir: &Path) -> Vec<(String, String)> {
+    let mut all = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            let rel = p.strip_prefix(dir).unwrap().display().to_string();
+            let t = e.file_type().unwrap();
+            if t.is_dir() {
+                all.push((rel + "/", String::new()));
+                todo.push(p);
+            } else if t.is_symlink() {
+                all.push((
+                    rel,
+                    format!("-> {}", std::fs::read_link(&p).unwrap().display()),
+                ));
+            } else {
+                all.push((rel, std::fs::read_to_string(&p).unwrap()));
+            }
+        }
+    }
+    all.sort();
+    all
+}
+
+#[test]
+fn an_overlay_workspace_keeps_writes_in_the_sandbox_until_diff_and_commit() {
+    let w = World::new("overlay");
+    // The host side of the overlay must not be on an overlayfs (the test bed's /tmp is one).
+    let base = PathBuf::from("/dev/shm").join(format!("amvm-sessions-ws-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let ws = base.join("repo");
+    std::fs::create_dir_all(ws.join("src")).unwrap();
+    std::fs::write(ws.join("README"), "old\n").unwrap();
+    std::fs::write(ws.join("gone.txt"), "delete me\n").unwrap();
+    std::fs::write(ws.join("src/a.rs"), "fn a() {}\n").unwrap();
+    // Owned by the workload's user (uid 1000), as a user's checkout is.
+    let chown = Command::new("chown")
+        .args(["-R", "1000:1000"])
+        .arg(&ws)
+        .status()
+        .unwrap();
+    assert!(chown.success());
+    let before = tree(&ws);
+    let id = w.create(&["--workspace", &format!("{}:overlay", ws.display())]);
+
+    let out = w.exec(
+        &id,
+        &[
+            "sh",
+            "-c",
+            "cd /workspace && echo new > README && rm gone.txt && mkdir -p new/dir \
+             && echo hi > new/dir/f && ln -s ../README new/link",
+        ],
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    // The next exec sees the first one's writes; the host's DIR does not.
+    let out = w.exec(&id, &["sh", "-c", "cat /workspace/README; ls /workspace"]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "new\nREADME\nnew\nsrc\n"),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(tree(&ws), before, "the workspace itself is untouched");
+
+    let diff = w.amvm(&["diff", &id]);
+    assert_eq!(diff.code, 0, "{}", diff.stderr);
+    let text = diff.stdout_str();
+    for want in [
+        "-old\n",
+        "+new\n",
+        "gone.txt",
+        "-delete me\n",
+        "new/dir/f",
+        "+hi\n",
+    ] {
+        assert!(text.contains(want), "diff lacks {want:?}:\n{text}");
+    }
+    assert!(
+        !text.contains("src/a.rs"),
+        "an untouched file is not in the diff:\n{text}"
+    );
+    assert_eq!(tree(&ws), before, "diff changes nothing");
+
+    // commit applies them to a copy of DIR, which then holds what the guest saw.
+    let copy = base.join("copy");
+    let cp = Command::new("cp")
+        .arg("-a")
+        .arg(&ws)
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let out = w.amvm(&["commit", &id, copy.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(
+        tree(&copy),
+        vec![
+            ("README".to_string(), "new\n".to_string()),
+            ("new/".into(), String::new()),
+            ("new/dir/".into(), String::new()),
+            ("new/dir/f".into(), "hi\n".into()),
+            ("new/link".into(), "-> ../README".into()),
+            ("src/".into(), String::new()),
+            ("src/a.rs".into(), "fn a() {}\n".into()),
+        ]
+    );
+    assert_eq!(tree(&ws), before);
+
+    // A sandbox without one says so; rm takes the overlay's host side with it.
+    let plain = w.create(&[]);
+    let out = w.amvm(&["diff", &plain]);
+    assert_eq!(out.code, 125);
+    assert!(
+        one_line(&out).contains("has no writable workspace"),
+        "{}",
+        out.stderr
+    );
+    let scratch = PathBuf::from(
+        w.inspect(&id)["config"]["overlay_scratch"]
+            .as_str()
+            .unwrap(),
+    );
+    assert!(scratch.join("upper").is_dir(), "{}", scratch.display());
+    for s in [&id, &plain] {
+        let out = w.amvm(&["rm", "-f", s]);
+        assert_eq!(out.code, 0, "{}", out.stderr);
+    }
+    assert!(!scratch.exists(), "{} left behind", scratch.display());
+    no_process_with(ws.to_str().unwrap());
+    let _ = std::fs::remove_dir_all(&base);
+}
+
 #[test]
 fn bad_input_gets_one_line_and_changes_nothing() {
     let w = World::new("bad");
@@ -414,9 +614,11 @@ fn bad_input_gets_one_line_and_changes_nothing() {
             "--label novalue: say KEY=VAL",
         ),
         (
-            &["create", "--workspace", "/tmp:overlay"][..],
-            "not supported by amvm create yet",
+            &["create", "--changes", "/tmp/changes.tar"][..],
+            "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR) is not supported by amvm create yet",
         ),
+        (&["diff", "nosuch"][..], "no sandbox nosuch"),
+        (&["commit", "nosuch", "/tmp"][..], "no sandbox nosuch"),
         (
             &["create", "--kernel", "/nonexistent/vmlinux"][..],
             "/nonexistent/vmlinux",

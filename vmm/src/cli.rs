@@ -40,6 +40,20 @@ pub enum Command {
         #[arg(value_name = "DEST")]
         dest: String,
     },
+    /// Show what a sandbox's guest changed in its writable workspace (`--workspace
+    /// DIR:overlay`) so far, as a unified diff against DIR. Changes nothing.
+    Diff {
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+    },
+    /// Apply what a sandbox's guest changed in its writable workspace to DIR, as `amvm apply`
+    /// does (refusing whatever could reach outside DIR; a refusal applies nothing).
+    Commit {
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
     /// List this user's sandboxes.
     Ls {
         /// One JSON array instead of a table.

@@ -60,6 +60,14 @@ fn main() -> ExitCode {
             let r = amvm::sandbox::copy::cli(&src, &dest);
             return sandbox_result(r.map(|()| ExitCode::SUCCESS));
         }
+        Command::Diff { sandbox } => {
+            let r = amvm::sandbox::commands::diff(&sandbox, &mut std::io::stdout().lock());
+            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+        }
+        Command::Commit { sandbox, dir } => {
+            let r = amvm::sandbox::commands::commit(&sandbox, &dir);
+            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+        }
         Command::Ls { json } => {
             let r = amvm::sandbox::commands::ls(json, &mut std::io::stdout().lock());
             return sandbox_result(r.map(|()| ExitCode::SUCCESS));

@@ -264,7 +264,7 @@ pub fn finish(ov: &Overlay, scratch: &Path) -> Result<Option<LayerReport>, Overl
 
 /// Remove the scratch directory; overlayfs leaves its work directory without permissions, so
 /// each directory is opened up before its contents go.
-fn remove_scratch(scratch: &Path) {
+pub fn remove_scratch(scratch: &Path) {
     use std::os::unix::fs::PermissionsExt;
     let mut stack = vec![scratch.to_owned()];
     while let Some(d) = stack.pop() {

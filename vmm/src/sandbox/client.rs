@@ -152,6 +152,11 @@ impl Sandbox {
         })
     }
 
+    /// Its state directory.
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
     /// What the caller called it (its name or id).
     pub fn shown(&self) -> &str {
         &self.shown

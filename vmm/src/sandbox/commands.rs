@@ -168,6 +168,70 @@ impl Drop for RawMode {
     }
 }
 
+/// What the sandbox's guest wrote to its workspace so far, as a layer tar in its state
+/// directory (the caller removes it); and the workspace's DIR.
+fn changes_of(sb: &Sandbox) -> Result<(std::path::PathBuf, std::path::PathBuf), SandboxError> {
+    let info = sb.info()?;
+    let (Some(lower), Some(scratch)) = (info.config.overlay_lower, info.config.overlay_scratch)
+    else {
+        return Err(SandboxError::NoOverlay(sb.shown().into()));
+    };
+    let tmp = sb.dir().join(format!("changes-{}.tar", std::process::id()));
+    let written = std::fs::File::create(&tmp)
+        .map_err(|e| SandboxError::Io(tmp.display().to_string(), e))
+        .and_then(|f| {
+            crate::changes::layer::write_layer(
+                &crate::overlay::upper(&scratch),
+                std::io::BufWriter::new(f),
+            )
+            .map_err(|e| SandboxError::Changes(format!("reading the sandbox's changes: {e}")))
+        })
+        .and_then(|(out, _)| {
+            out.into_inner()
+                .map_err(|e| SandboxError::Io(tmp.display().to_string(), e.into_error()))
+        });
+    match written {
+        Ok(_) => Ok((tmp, lower)),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
+        }
+    }
+}
+
+/// `amvm diff SANDBOX`: what its guest changed in the workspace, as a unified diff against DIR.
+pub fn diff(sandbox: &str, out: &mut dyn Write) -> Result<(), SandboxError> {
+    let sb = Sandbox::open(sandbox)?;
+    let (tar, lower) = changes_of(&sb)?;
+    let r = crate::changes::diff::print(&tar, Some(&lower), out)
+        .map_err(|e| SandboxError::Changes(format!("diff: {e}")));
+    let _ = std::fs::remove_file(&tar);
+    r
+}
+
+/// `amvm commit SANDBOX DIR`: apply its guest's workspace changes to DIR, as `amvm apply` does
+/// (whatever could reach outside DIR refused, and then nothing applied). Whether all applied.
+pub fn commit(sandbox: &str, dir: &std::path::Path) -> Result<(), SandboxError> {
+    use crate::changes::apply::{apply, Options};
+    let sb = Sandbox::open(sandbox)?;
+    let (tar, _) = changes_of(&sb)?;
+    let mut say = |line: String| eprintln!("amvm: commit: {line}");
+    let r = apply(&tar, dir, Options::default(), &mut say);
+    let _ = std::fs::remove_file(&tar);
+    match r {
+        Ok(r) => {
+            eprintln!(
+                "amvm: commit: applied {} entries to {} ({} neutralised)",
+                r.applied,
+                dir.display(),
+                r.neutralised
+            );
+            Ok(())
+        }
+        Err(e) => Err(SandboxError::Changes(format!("commit: {e}"))),
+    }
+}
+
 /// `amvm ls`.
 pub fn ls(json: bool, out: &mut impl Write) -> Result<(), SandboxError> {
     let all = super::list()?;

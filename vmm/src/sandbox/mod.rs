@@ -45,6 +45,12 @@ pub enum SandboxError {
     Start(String),
     #[error("cp: {0}")]
     Copy(String),
+    #[error(
+        "sandbox {0} has no writable workspace (amvm create --workspace DIR:overlay makes one)"
+    )]
+    NoOverlay(String),
+    #[error("{0}")]
+    Changes(String),
     #[error("{0} is not supported by amvm create yet")]
     Unsupported(&'static str),
 }
@@ -85,6 +91,12 @@ pub struct Config {
     pub workspace: Option<PathBuf>,
     pub egress: Option<PathBuf>,
     pub timeout_seconds: Option<u64>,
+    /// With `--workspace DIR:overlay`: DIR (canonical) and the overlay's scratch directory on
+    /// the host (its `upper/` holds what the guest wrote).
+    #[serde(default)]
+    pub overlay_lower: Option<PathBuf>,
+    #[serde(default)]
+    pub overlay_scratch: Option<PathBuf>,
     /// Stopped once no exec has run for this long (`--idle-timeout`).
     #[serde(default)]
     pub idle_timeout_seconds: Option<u64>,
@@ -277,7 +289,11 @@ pub fn remove(id: &str, dir: &Path) -> Result<(), SandboxError> {
         // SAFETY: kill(2) with plain integers.
         unsafe { libc::kill(info.vmm_pid as libc::pid_t, libc::SIGKILL) };
     }
-    remove_dir_and_name(id, dir, info.name.as_deref())
+    remove_dir_and_name(id, dir, info.name.as_deref())?;
+    if let Some(scratch) = &info.config.overlay_scratch {
+        crate::overlay::remove_scratch(scratch);
+    }
+    Ok(())
 }
 
 /// Remove `dir` and the name that points at `id`.

@@ -45,14 +45,10 @@ const STOP_MARGIN: Duration = Duration::from_secs(20);
 
 /// `amvm create`: boot the sandbox; its id once it is ready.
 pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
-    if args.vm.changes.is_some()
-        || args
-            .vm
-            .workspace
-            .as_deref()
-            .is_some_and(|w| w.to_string_lossy().ends_with(":overlay"))
-    {
-        return Err(SandboxError::Unsupported("--workspace DIR:overlay"));
+    if args.vm.changes.is_some() {
+        return Err(SandboxError::Unsupported(
+            "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR)",
+        ));
     }
     let mut labels = std::collections::BTreeMap::new();
     for l in &args.labels {
@@ -70,6 +66,8 @@ pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
         workspace: args.vm.workspace.clone(),
         egress: args.vm.egress.clone(),
         timeout_seconds: args.vm.timeout,
+        overlay_lower: None,
+        overlay_scratch: None,
         idle_timeout_seconds: args.idle_timeout,
         user: args.vm.user.clone(),
         workdir: String::new(),
@@ -83,6 +81,22 @@ pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
         .map_err(|e| SandboxError::Start(format!("{:#}", anyhow::Error::from(e))))?;
     let (id, dir) = super::make_dir(args.name.as_deref())?;
     cfg.session = Some(dir.join("guest.sock"));
+    // A writable workspace: its upper layer on the host, kept until `rm` (diff and commit
+    // read it).
+    let mut config = config;
+    if let Some(ov) = cfg.overlay.as_mut() {
+        match crate::overlay::make_scratch(ov) {
+            Ok(s) => {
+                ov.scratch = Some(s.clone());
+                config.overlay_lower = Some(ov.lower.clone());
+                config.overlay_scratch = Some(s);
+            }
+            Err(e) => {
+                let _ = super::remove_dir_and_name(&id, &dir, args.name.as_deref());
+                return Err(SandboxError::Start(e.to_string()));
+            }
+        }
+    }
     let info = Info {
         id: id.clone(),
         name: args.name,
@@ -100,6 +114,9 @@ pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
     };
     let fail = |e: SandboxError| {
         let _ = super::remove_dir_and_name(&id, &dir, info.name.as_deref());
+        if let Some(s) = &info.config.overlay_scratch {
+            crate::overlay::remove_scratch(s);
+        }
         e
     };
     write_state(&dir, &info)
