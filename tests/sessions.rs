@@ -82,6 +82,20 @@ impl World {
         serde_json::from_slice(&out.stdout).expect("inspect prints JSON")
     }
 
+    /// The sandbox's supervisor and VMM, which must be running now.
+    fn procs(&self, sandbox: &str) -> Procs {
+        let info = self.inspect(sandbox);
+        ["pid", "vmm_pid"]
+            .iter()
+            .map(|k| {
+                let pid = info[k].as_u64().unwrap() as u32;
+                let start = start_time(pid)
+                    .unwrap_or_else(|| panic!("{sandbox}'s {k} {pid} is not running"));
+                (pid, start)
+            })
+            .collect()
+    }
+
     fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.xdg.join("amvm").join(id)
     }
@@ -115,21 +129,37 @@ fn no_process_with(needle: &str) {
     }
 }
 
-/// A process whose environment holds `AMVM_SANDBOX_DIR=dir` (the supervisor and the VMM).
-fn processes_of(dir: &Path) -> Vec<u32> {
-    let want = format!("AMVM_SANDBOX_DIR={}", dir.display());
-    let mut found = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if let Ok(env) = std::fs::read(e.path().join("environ")) {
-            if env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()) {
-                found.push(pid);
-            }
-        }
+/// When process `pid` started (/proc/PID/stat's 22nd field); `None` once it is gone (or a
+/// zombie).
+fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let mut fields = rest.split(' ');
+    if fields.next()? == "Z" {
+        return None;
     }
-    found
+    fields.nth(18)?.parse().ok()
+}
+
+/// A running sandbox's processes (its supervisor and its VMM) as (pid, start time).
+type Procs = Vec<(u32, u64)>;
+
+/// Within a few seconds, none of `procs` is left (a pid reused by another process does not
+/// count).
+fn all_gone(procs: &Procs) {
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: Procs = procs
+            .iter()
+            .copied()
+            .filter(|&(pid, start)| start_time(pid) == Some(start))
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(Instant::now() < until, "left behind: {left:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 fn one_line(out: &Outcome) -> &str {
@@ -254,6 +284,7 @@ fn stop_and_rm_leave_nothing_behind_and_names_are_free_again() {
     std::fs::write(ws.join("seen"), "from the host\n").unwrap();
     let ws_s = ws.to_str().unwrap();
     let id = w.create(&["--name", "stopme", "--workspace", ws_s, "--label", "team=a"]);
+    let procs = w.procs(&id);
     let dir = w.sandbox_dir(&id);
     // A second create with the name in use is refused and makes nothing.
     let before = std::fs::read_dir(w.xdg.join("amvm")).unwrap().count();
@@ -316,7 +347,7 @@ fn stop_and_rm_leave_nothing_behind_and_names_are_free_again() {
     let out = w.amvm(&["wait", &id]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     no_process_with(ws_s);
-    assert_eq!(processes_of(&dir), Vec::<u32>::new());
+    all_gone(&procs);
     let out = w.amvm(&["rm", "stopme"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(!dir.exists(), "{} left behind", dir.display());
@@ -329,6 +360,7 @@ fn stop_and_rm_leave_nothing_behind_and_names_are_free_again() {
     );
     // The name is free again.
     let id2 = w.create(&["--name", "stopme", "--mem", "128"]);
+    let procs2 = w.procs(&id2);
     assert_ne!(id, id2);
     // rm of a running sandbox needs -f.
     let out = w.amvm(&["rm", "stopme"]);
@@ -337,7 +369,7 @@ fn stop_and_rm_leave_nothing_behind_and_names_are_free_again() {
     let out = w.amvm(&["rm", "-f", "stopme"]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(!w.sandbox_dir(&id2).exists());
-    assert_eq!(processes_of(&w.sandbox_dir(&id2)), Vec::<u32>::new());
+    all_gone(&procs2);
 }
 
 #[test]
@@ -347,6 +379,7 @@ fn a_vmm_killed_outright_shows_in_ls_and_rm_cleans_up() {
     std::fs::create_dir_all(&ws).unwrap();
     let ws_s = ws.to_str().unwrap();
     let id = w.create(&["--workspace", ws_s]);
+    let procs = w.procs(&id);
     let dir = w.sandbox_dir(&id);
     let vmm = w.inspect(&id)["vmm_pid"].as_u64().unwrap() as i32;
     // SAFETY: kill(2) of the VMM this test started.
@@ -375,13 +408,14 @@ fn a_vmm_killed_outright_shows_in_ls_and_rm_cleans_up() {
     let out = w.amvm(&["rm", &id]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert!(!dir.exists());
-    assert_eq!(processes_of(&dir), Vec::<u32>::new());
+    all_gone(&procs);
 }
 
 #[test]
 fn an_idle_sandbox_stops_by_itself_but_not_while_an_exec_runs() {
     let w = World::new("idle");
     let id = w.create(&["--mem", "128", "--idle-timeout", "3"]);
+    let procs = w.procs(&id);
     // An exec that outlasts the idle timeout keeps the sandbox up and ends on its own.
     let out = w.exec(&id, &["sh", "-c", "sleep 6; echo slept"]);
     assert_eq!(
@@ -398,7 +432,7 @@ fn an_idle_sandbox_stops_by_itself_but_not_while_an_exec_runs() {
         info["ended"].as_str().unwrap().contains("--idle-timeout"),
         "{info}"
     );
-    assert_eq!(processes_of(&w.sandbox_dir(&id)), Vec::<u32>::new());
+    all_gone(&procs);
 }
 
 /// Forks children that sleep until a fork fails; prints how many it made and the errno.
@@ -889,6 +923,8 @@ fn twenty_sandboxes_up_at_once_then_all_stopped_leave_nothing_behind() {
             out.stderr
         );
     }
+    let procs: Procs = ids.iter().flat_map(|id| w.procs(id)).collect();
+    assert_eq!(procs.len(), 40);
     for (i, id) in ids.iter().enumerate() {
         let out = w.exec(id, &["cat", "/tmp/me"]);
         assert_eq!(out.stdout_str(), format!("{i}\n"));
@@ -921,8 +957,8 @@ fn twenty_sandboxes_up_at_once_then_all_stopped_leave_nothing_behind() {
     for id in &ids {
         let dir = w.sandbox_dir(id);
         assert!(!dir.exists(), "{} left", dir.display());
-        assert_eq!(processes_of(&dir), Vec::<u32>::new());
     }
+    all_gone(&procs);
     no_process_with(&w.xdg.display().to_string());
     let names = std::fs::read_dir(w.xdg.join("amvm/names")).unwrap().count();
     assert_eq!(names, 0, "names left behind");

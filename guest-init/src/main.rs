@@ -66,7 +66,7 @@ fn run(chan: &mut channel::Channel) -> Result<Option<u8>, String> {
     }
     if spec.session {
         let extra = spec.env.split_off(spec.env.len().min(base_env));
-        return session::serve(spec.pids_max, extra, chan).map(|()| None);
+        return session::serve(spec.pids_max, extra, spec.root.clone(), chan).map(|()| None);
     }
     workload::run(&spec, chan)
         .map(Some)

@@ -90,6 +90,9 @@ pub fn root(spec: &RunSpec) -> io::Result<()> {
         )
         .map_err(ctx(format!("mount virtio-fs {tag:?} on {path}")))?;
     }
+    if !spec.root.is_empty() {
+        container_root(Path::new(OsStr::from_bytes(&spec.root)))?;
+    }
     // Merged /usr: the classic paths are links into it.
     for (link, target) in [
         ("/bin", "usr/bin"),
@@ -123,6 +126,94 @@ pub fn root(spec: &RunSpec) -> io::Result<()> {
         fs::create_dir_all(&path).map_err(ctx(format!("making the mount point {path}")))?;
         mount("tmpfs", &path, "tmpfs", flags, Some(&data))
             .map_err(ctx(format!("mount tmpfs on {path} ({data})")))?;
+    }
+    if !spec.root.is_empty() {
+        root_files(Path::new(OsStr::from_bytes(&spec.root)), &spec.files)?;
+    }
+    if !spec.hostname.is_empty() {
+        // SAFETY: sethostname(2) reads `len` bytes of a buffer that outlives the call.
+        let rc = unsafe { libc::sethostname(spec.hostname.as_ptr().cast(), spec.hostname.len()) };
+        if rc != 0 {
+            return Err(ctx("sethostname".into())(io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// A container's root (its share mounted at `root` already): the kernel's file systems inside
+/// it, as a container runtime makes them. Its own `/etc` and the rest are the image's.
+fn container_root(root: &Path) -> io::Result<()> {
+    let at = |p: &str| root.join(p);
+    let need = |p: &Path| -> io::Result<()> {
+        if p.is_dir() {
+            return Ok(());
+        }
+        fs::create_dir(p).map_err(ctx(format!(
+            "the root file system has no {} to mount on",
+            p.display()
+        )))
+    };
+    for (fstype, target, flags) in [
+        ("proc", "proc", NODEV_NOSUID | libc::MS_NOEXEC),
+        (
+            "sysfs",
+            "sys",
+            NODEV_NOSUID | libc::MS_NOEXEC | libc::MS_RDONLY,
+        ),
+    ] {
+        let p = at(target);
+        need(&p)?;
+        mount(fstype, &p.to_string_lossy(), fstype, flags, None)
+            .map_err(ctx(format!("mount {fstype} on {}", p.display())))?;
+    }
+    // The guest's /dev (devtmpfs, with /dev/pts), and a /dev/shm of its own.
+    let dev = at("dev");
+    need(&dev)?;
+    crate::sys::bind("/dev", &dev.to_string_lossy(), true)
+        .map_err(ctx(format!("bind /dev on {}", dev.display())))?;
+    let shm = dev.join("shm");
+    fs::create_dir_all(&shm)?;
+    mount(
+        "tmpfs",
+        &shm.to_string_lossy(),
+        "tmpfs",
+        NODEV_NOSUID,
+        Some("mode=1777,size=64m"),
+    )
+    .map_err(ctx(format!("mount tmpfs on {}", shm.display())))
+}
+
+/// The spec's files under a container's root (an engine's `/etc/hosts`, `/etc/resolv.conf`,
+/// `/etc/hostname`): each written to a tmpfs of its own and bind-mounted, read-only, over the
+/// file the root has there (which must exist: amvm makes it on the host when it can).
+fn root_files(root: &Path, files: &[SpecFile]) -> io::Result<()> {
+    let store = Path::new("/run/amvm/files");
+    let mut n = 0;
+    for f in files {
+        let SpecFile::File { path, data } = f else {
+            continue;
+        };
+        let target = Path::new(OsStr::from_bytes(path));
+        if !target.starts_with(root) {
+            continue;
+        }
+        if n == 0 {
+            fs::create_dir_all(store)?;
+        }
+        n += 1;
+        let src = store.join(n.to_string());
+        fs::write(&src, data)?;
+        fs::set_permissions(&src, fs::Permissions::from_mode(0o644))?;
+        if !target.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{}: no file to mount on in the root", target.display()),
+            ));
+        }
+        let t = target.to_string_lossy();
+        crate::sys::bind(&src.to_string_lossy(), &t, false)
+            .map_err(ctx(format!("bind a file on {t}")))?;
+        remount_readonly(&t, NODEV_NOSUID | libc::MS_BIND).map_err(ctx(format!("seal {t}")))?;
     }
     Ok(())
 }

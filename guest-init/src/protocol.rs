@@ -16,13 +16,18 @@
 //! workload that does not read its stdin never holds up a signal.
 //!
 //! Run spec layout: magic [`SPEC_MAGIC`], `uid: u32`, `gid: u32`, `flags: u32` (bit 0: egress
-//! relay, bit 1: stdin stream), `pids_max: u32`, `cwd: bytes`, `argv: list`, `env: list`, `mounts: list`,
-//! `files: list`, `tmpfs: list`, where `bytes` is `len: u32` followed by `len` bytes and `list` is
+//! relay, bit 1: stdin stream), `pids_max: u32`, `cwd: bytes`, `root: bytes`, `hostname: bytes`,
+//! `argv: list`, `env: list`, `mounts: list`, `files: list`, `tmpfs: list`, where `bytes` is `len: u32` followed by `len` bytes and `list` is
 //! `count: u32` followed by `count` `bytes`. Environment entries are `KEY=VALUE`; a mount is
 //! `TAG NUL PATH` (a virtio-fs tag and where it goes, read-only) or `TAG NUL PATH NUL w`
 //! (mounted writable); a file is `f PATH NUL DATA`
 //! or a symlink `l PATH NUL TARGET` (what guest-init writes into `/etc` before sealing it); a
 //! tmpfs is `PATH NUL OPTIONS`.
+//!
+//! A non-empty `root` (`amvm run --rootfs`, the OCI runtime) is a container's root file system:
+//! the first mount is at `root`, guest-init mounts proc, sysfs and the guest's /dev inside it,
+//! the files whose paths lie under it are bind-mounted over what the root has there, and every
+//! process is chrooted into it (`cwd` is then inside it). A non-empty `hostname` is set.
 //!
 //! ## Sessions (`amvm create`)
 //!
@@ -63,7 +68,7 @@ pub const STDIN_PORT: u32 = 1026;
 pub const EXEC_PORT: u32 = 1027;
 
 /// First bytes of an encoded run spec (the trailing digit is the version).
-pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC7";
+pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC8";
 /// First bytes of an encoded exec spec.
 pub const EXEC_MAGIC: &[u8; 8] = b"AMVMEXE1";
 /// Largest payload an output frame may carry.
@@ -111,6 +116,11 @@ pub struct RunSpec {
     /// `KEY=VALUE` entries, the workload's whole environment.
     pub env: Vec<Vec<u8>>,
     pub cwd: Vec<u8>,
+    /// A container's root file system (where the first mount goes), every process chrooted
+    /// into it; empty: the guest's own root (module docs).
+    pub root: Vec<u8>,
+    /// The guest's hostname; empty: the kernel's.
+    pub hostname: Vec<u8>,
     pub uid: u32,
     pub gid: u32,
     /// Run the egress relay (the host has an egress socket).
@@ -305,6 +315,8 @@ impl RunSpec {
         out.extend_from_slice(&flags.to_le_bytes());
         out.extend_from_slice(&self.pids_max.to_le_bytes());
         put_bytes(&mut out, &self.cwd);
+        put_bytes(&mut out, &self.root);
+        put_bytes(&mut out, &self.hostname);
         let mounts: Vec<Vec<u8>> = self.mounts.iter().map(Mount::encode).collect();
         let files: Vec<Vec<u8>> = self.files.iter().map(SpecFile::encode).collect();
         let tmpfs: Vec<Vec<u8>> = self.tmpfs.iter().map(Tmpfs::encode).collect();
@@ -328,6 +340,11 @@ impl RunSpec {
         let flags = r.u32()?;
         let pids_max = r.u32()?;
         let cwd = r.bytes()?.to_vec();
+        let root = r.bytes()?.to_vec();
+        let hostname = r.bytes()?.to_vec();
+        if (!root.is_empty() && !root.starts_with(b"/")) || hostname.len() > 64 {
+            return Err(ProtocolError::BadEntry);
+        }
         let argv = r.list()?;
         let env = r.list()?;
         let mounts = r
@@ -356,6 +373,8 @@ impl RunSpec {
             argv,
             env,
             cwd,
+            root,
+            hostname,
             uid,
             gid,
             egress: flags & FLAG_EGRESS != 0,
@@ -691,6 +710,8 @@ mod tests {
             argv: vec![b"sh".to_vec(), b"-c".to_vec(), b"echo 'a\nb'".to_vec()],
             env: vec![b"PATH=/bin".to_vec(), b"X=\xff\x00".to_vec()],
             cwd: b"/".to_vec(),
+            root: b"/rootfs".to_vec(),
+            hostname: b"box".to_vec(),
             uid: 1000,
             gid: 1001,
             egress: true,
@@ -755,7 +776,7 @@ mod tests {
         assert_eq!(RunSpec::decode(&s.encode()), Err(ProtocolError::EmptyArgv));
         let mut raw = SPEC_MAGIC.to_vec();
         raw.extend_from_slice(&[0; 16]); // uid, gid, flags, pids_max
-        raw.extend_from_slice(&0u32.to_le_bytes()); // cwd
+        raw.extend_from_slice(&[0; 12]); // cwd, root, hostname: empty
         raw.extend_from_slice(&u32::MAX.to_le_bytes()); // argv count
         assert!(matches!(
             RunSpec::decode(&raw),
@@ -764,6 +785,14 @@ mod tests {
         for bad in [&b""[..], b"x/etc/a\0b", b"f/etc/no-nul"] {
             assert_eq!(SpecFile::decode(bad), Err(ProtocolError::BadEntry));
         }
+        let relative_root = RunSpec {
+            root: b"rootfs".to_vec(),
+            ..spec()
+        };
+        assert_eq!(
+            RunSpec::decode(&relative_root.encode()),
+            Err(ProtocolError::BadEntry)
+        );
         assert_eq!(Mount::decode(b"no-nul"), Err(ProtocolError::BadEntry));
         assert_eq!(Mount::decode(b"t\0/p\0x"), Err(ProtocolError::BadEntry));
         assert!(Mount::decode(b"t\0/p\0w").unwrap().writable);

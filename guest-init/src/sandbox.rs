@@ -122,6 +122,8 @@ impl Drop for ExecCgroup {
 pub struct Confinement {
     /// Make stdin (a pseudo-terminal) the controlling terminal of the new session.
     pub ctty: bool,
+    /// A container's root to chroot into, and the working directory inside it.
+    root: Option<(std::ffi::CString, std::ffi::CString)>,
     procs_fd: i32,
     uid: u32,
     gid: u32,
@@ -138,12 +140,25 @@ impl Confinement {
             .unwrap_or(63);
         Confinement {
             ctty: false,
+            root: None,
             procs_fd: procs.as_raw_fd(),
             uid,
             gid,
             last_cap,
             filter: Filter::new(),
         }
+    }
+
+    /// Chroot into `root` (a container's, when not empty) and enter `cwd` inside it.
+    pub fn in_root(&mut self, root: &[u8], cwd: &[u8]) -> io::Result<()> {
+        if root.is_empty() {
+            return Ok(());
+        }
+        let c = |b: &[u8]| {
+            std::ffi::CString::new(b).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+        };
+        self.root = Some((c(root)?, c(cwd)?));
+        Ok(())
     }
 
     /// Confine the calling process; runs between fork and exec, as root. Only system calls on
@@ -161,6 +176,12 @@ impl Confinement {
         let n = unsafe { libc::write(self.procs_fd, b"0".as_ptr().cast(), 1) };
         if n != 1 {
             return Err(io::Error::last_os_error());
+        }
+        if let Some((root, cwd)) = &self.root {
+            // SAFETY: chroot(2) and chdir(2) of NUL-terminated strings built before the fork.
+            check(unsafe { libc::chroot(root.as_ptr()) })?;
+            // SAFETY: as above.
+            check(unsafe { libc::chdir(cwd.as_ptr()) })?;
         }
         // SAFETY: setgroups with an empty list (a null pointer is allowed for size 0).
         check(unsafe { libc::setgroups(0, std::ptr::null()) })?;

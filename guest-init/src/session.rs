@@ -49,17 +49,25 @@ struct Shared {
     cgroup: Cgroup,
     /// Variables every exec gets on top of its own (the egress relay's addresses).
     extra_env: Vec<Vec<u8>>,
+    /// A container's root every exec is chrooted into (empty: none).
+    root: Vec<u8>,
 }
 
 /// Serve the session until the host asks it to stop (or goes away); then every process is
 /// gone and the caller reboots.
-pub fn serve(pids_max: u32, extra_env: Vec<Vec<u8>>, chan: &mut Channel) -> Result<(), String> {
+pub fn serve(
+    pids_max: u32,
+    extra_env: Vec<Vec<u8>>,
+    root: Vec<u8>,
+    chan: &mut Channel,
+) -> Result<(), String> {
     let cgroup = Cgroup::create(pids_max).map_err(|e| format!("the workload's cgroup: {e}"))?;
     let shared = Arc::new(Shared {
         procs: Mutex::new(Procs::default()),
         active: Mutex::new(0),
         cgroup,
         extra_env,
+        root,
     });
     chan.ready();
     loop {
@@ -270,8 +278,11 @@ fn run(
             env.push(kv.clone());
         }
     }
-    prepare_home_for(&env, spec.uid, spec.gid);
-    if let Err(e) = can_enter(&spec.cwd, spec.uid, spec.gid) {
+    if shared.root.is_empty() {
+        prepare_home_for(&env, spec.uid, spec.gid);
+    }
+    let cwd_seen = crate::workload::in_root(&shared.root, &spec.cwd);
+    if let Err(e) = can_enter(&cwd_seen, spec.uid, spec.gid) {
         let cwd = String::from_utf8_lossy(&spec.cwd);
         let msg = format!("amvm: cannot enter the working directory {cwd}: {e}\n");
         stream.send(FrameKind::Stderr, msg.as_bytes())?;
@@ -286,8 +297,15 @@ fn run(
         }
     };
     let mut cmd = command(&spec.argv, &env);
-    cmd.current_dir(OsStr::from_bytes(&spec.cwd));
+    if shared.root.is_empty() {
+        cmd.current_dir(OsStr::from_bytes(&spec.cwd));
+    }
     let mut confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
+    if let Err(e) = confinement.in_root(&shared.root, &spec.cwd) {
+        let msg = format!("amvm: the root or working directory: {e}\n");
+        stream.send(FrameKind::Stderr, msg.as_bytes())?;
+        return Ok((crate::workload::EXIT_SETUP_FAILURE, None));
+    }
     let master = match spec.tty {
         Some((rows, cols)) => {
             let (master, slave) = match open_pty(rows, cols, spec.uid, spec.gid) {

@@ -27,6 +27,12 @@ pub fn mount(
     }
 }
 
+/// Bind-mount `source` on `target` (with the mounts beneath it when `recursive`).
+pub fn bind(source: &str, target: &str, recursive: bool) -> io::Result<()> {
+    let rec = if recursive { libc::MS_REC } else { 0 };
+    mount(source, target, "", libc::MS_BIND | rec, None)
+}
+
 /// Make the mount at `target` read-only, keeping `flags`.
 pub fn remount_readonly(target: &str, flags: libc::c_ulong) -> io::Result<()> {
     mount(

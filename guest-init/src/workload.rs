@@ -34,15 +34,19 @@ pub enum WorkloadError {
 
 pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     let mut cmd = command(&spec.argv, &spec.env);
-    prepare_home(spec);
+    if spec.root.is_empty() {
+        prepare_home(spec);
+    }
     // A working directory the user cannot enter would surface as a spawn error that reads like
     // the command's; check it as the workload's user first and say what is wrong.
-    if let Err(e) = can_enter(&spec.cwd, spec.uid, spec.gid) {
+    if let Err(e) = can_enter(&in_root(&spec.root, &spec.cwd), spec.uid, spec.gid) {
         let cwd = String::from_utf8_lossy(&spec.cwd);
         chan.stderr(format!("amvm: cannot enter the working directory {cwd}: {e}\n").as_bytes());
         return Ok(EXIT_SETUP_FAILURE);
     }
-    cmd.current_dir(OsStr::from_bytes(&spec.cwd));
+    if spec.root.is_empty() {
+        cmd.current_dir(OsStr::from_bytes(&spec.cwd));
+    }
     let stdin_stream = if spec.stdin {
         let sock = vsock_connect(HOST_CID, STDIN_PORT).map_err(WorkloadError::Stdin)?;
         cmd.stdin(Stdio::piped());
@@ -54,7 +58,11 @@ pub fn run(spec: &RunSpec, chan: &mut Channel) -> Result<u8, WorkloadError> {
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
     let cgroup = Cgroup::create(spec.pids_max).map_err(WorkloadError::Cgroup)?;
     // Built before the fork: the child may not allocate.
-    let confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
+    let mut confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
+    if let Err(e) = confinement.in_root(&spec.root, &spec.cwd) {
+        chan.stderr(format!("amvm: the root or working directory: {e}\n").as_bytes());
+        return Ok(EXIT_SETUP_FAILURE);
+    }
     // SAFETY: the hook runs between fork and exec and only makes async-signal-safe system calls
     // on memory built before the fork (see `Confinement::enter`).
     unsafe { cmd.pre_exec(move || confinement.enter()) };
@@ -161,6 +169,20 @@ pub(crate) fn can_enter(dir: &[u8], uid: u32, gid: u32) -> io::Result<()> {
 /// Give the workload a `$HOME` it owns (on the in-memory root; it vanishes with the VM).
 fn prepare_home(spec: &RunSpec) {
     prepare_home_for(&spec.env, spec.uid, spec.gid);
+}
+
+/// `path` (absolute, inside the processes' root) as the guest sees it: under `root` when that
+/// is a container's.
+pub(crate) fn in_root(root: &[u8], path: &[u8]) -> Vec<u8> {
+    if root.is_empty() {
+        return path.to_vec();
+    }
+    let mut p = root.to_vec();
+    if !path.starts_with(b"/") {
+        p.push(b'/');
+    }
+    p.extend_from_slice(path);
+    p
 }
 
 /// Create `$HOME` of `env` for `uid`:`gid` when it does not exist yet.

@@ -54,6 +54,18 @@ pub enum Command {
         #[arg(value_name = "DIR")]
         dir: PathBuf,
     },
+    /// amvm as an OCI runtime, runc's command line (create, start, state, kill, delete, exec,
+    /// ps, features): what Docker, podman and containerd run, each container in a microVM.
+    /// Also reached as `amvm-runc` (a link to amvm), the path engines are given.
+    /// docs/engines.md.
+    Oci {
+        #[arg(
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "ARGS"
+        )]
+        args: Vec<OsString>,
+    },
     /// List this user's sandboxes.
     Ls {
         /// One JSON array instead of a table.
@@ -239,6 +251,11 @@ pub struct VmArgs {
     /// image list); DIR (with a `/`) is an unpacked rootfs.
     #[arg(long, value_name = "host|NAME|DIR", default_value = "host")]
     pub system: String,
+    /// A whole root file system (a container's: its own /etc, /bin, ...) as the workload's /,
+    /// instead of --system's: read-only unless `:rw` (which lets the guest write DIR itself).
+    /// Its mount points (/proc, /sys, /dev, volumes) must exist unless it is writable.
+    #[arg(long, value_name = "DIR[:rw]", conflicts_with = "system")]
+    pub rootfs: Option<String>,
     /// Guest kernel (default: the one images/build-kernel builds and caches).
     #[arg(long, value_name = "PATH")]
     pub kernel: Option<PathBuf>,
@@ -292,7 +309,12 @@ impl VmArgs {
         interactive: bool,
         session: Option<PathBuf>,
     ) -> Result<RunConfig, ConfigError> {
-        let root = config::system_root(&self.system)?;
+        let rootfs = self.rootfs.as_deref().map(config::rootfs).transpose()?;
+        let root = match &rootfs {
+            Some((dir, _)) => dir.clone(),
+            None => config::system_root(&self.system)?,
+        };
+        let in_root = |p: &str| config::guest_path(rootfs.is_some(), p);
         let (workspace, overlay) = match self.workspace.as_deref() {
             Some(w) => {
                 let (dir, overlay) = config::workspace_arg(w)?;
@@ -314,25 +336,35 @@ impl VmArgs {
             None if workspace.is_some() => config::WORKSPACE_PATH.to_string(),
             None => "/".to_string(),
         };
-        let mut shares = vec![(config::TAG_SYSTEM.to_string(), root.join("usr"), false)];
-        let mut mounts = vec![Mount {
-            tag: config::TAG_SYSTEM.into(),
-            path: b"/usr".to_vec(),
-            writable: false,
-        }];
+        let (mut shares, mut mounts) = match &rootfs {
+            Some((dir, writable)) => (
+                vec![(config::TAG_ROOT.to_string(), dir.clone(), *writable)],
+                vec![Mount {
+                    tag: config::TAG_ROOT.into(),
+                    path: config::ROOTFS_PATH.into(),
+                    writable: *writable,
+                }],
+            ),
+            None => (
+                vec![(config::TAG_SYSTEM.to_string(), root.join("usr"), false)],
+                vec![Mount {
+                    tag: config::TAG_SYSTEM.into(),
+                    path: b"/usr".to_vec(),
+                    writable: false,
+                }],
+            ),
+        };
+        let mut taken = vec![if rootfs.is_some() { "/" } else { "/usr" }.to_string()];
         if let Some(ws) = workspace {
             // With an overlay, the share is the overlay's merged directory, made at run time.
             shares.push((config::TAG_WORKSPACE.to_string(), ws, overlay.is_some()));
             mounts.push(Mount {
                 tag: config::TAG_WORKSPACE.into(),
-                path: config::WORKSPACE_PATH.into(),
+                path: in_root(config::WORKSPACE_PATH).into_bytes(),
                 writable: overlay.is_some(),
             });
+            taken.push(config::WORKSPACE_PATH.into());
         }
-        let mut taken: Vec<String> = mounts
-            .iter()
-            .map(|m| String::from_utf8_lossy(&m.path).into_owned())
-            .collect();
         for (i, v) in self.volumes.iter().enumerate() {
             let (dir, guest, writable) = config::volume(v)?;
             if taken.contains(&guest) {
@@ -346,15 +378,18 @@ impl VmArgs {
             shares.push((tag.clone(), dir, writable));
             mounts.push(Mount {
                 tag: tag.into_bytes(),
-                path: guest.into_bytes(),
+                path: in_root(&guest).into_bytes(),
                 writable,
             });
         }
-        let tmpfs = self
+        let mut tmpfs = self
             .tmpfs
             .iter()
             .map(|t| config::tmpfs(t))
             .collect::<Result<Vec<_>, _>>()?;
+        for t in &mut tmpfs {
+            t.path = in_root(&String::from_utf8_lossy(&t.path)).into_bytes();
+        }
         let cache = config::cache_dir().unwrap_or_default();
         let timeout = match self.timeout {
             Some(0) => return Err(ConfigError::Timeout),
@@ -364,13 +399,24 @@ impl VmArgs {
             argv: command.into_iter().map(OsStringExt::into_vec).collect(),
             env: config::workload_env(uid, &self.env)?,
             cwd: cwd.into_bytes(),
+            root: if rootfs.is_some() {
+                config::ROOTFS_PATH.into()
+            } else {
+                Vec::new()
+            },
+            hostname: Vec::new(),
             uid,
             gid,
             egress: self.egress.is_some(),
             stdin: interactive,
             pids_max: self.pids,
             mounts,
-            files: config::etc_files(&root, uid, gid),
+            // A container's root has an /etc of its own.
+            files: if rootfs.is_some() {
+                Vec::new()
+            } else {
+                config::etc_files(&root, uid, gid)
+            },
             tmpfs,
             session: session.is_some(),
         };

@@ -17,6 +17,10 @@ pub const DEFAULT_PATH: &str =
 pub const WORKSPACE_PATH: &str = "/workspace";
 /// The virtio-fs tags of the shares.
 pub const TAG_SYSTEM: &str = "system";
+pub const TAG_ROOT: &str = "root";
+/// Where a container's root (`--rootfs`) is mounted in the guest; its processes are chrooted
+/// into it and never see the path.
+pub const ROOTFS_PATH: &str = "/rootfs";
 pub const TAG_WORKSPACE: &str = "workspace";
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -41,6 +45,8 @@ pub enum ConfigError {
     Workspace(PathBuf, String),
     #[error("--system {0}: {1}")]
     System(PathBuf, String),
+    #[error("--rootfs {0}: {1}")]
+    Rootfs(String, String),
     #[error("AMVM_HUGE_PAGES={0:?}: say 1 (on) or 0 (off)")]
     HugePagesEnv(String),
     #[error("--changes needs a writable workspace: --workspace DIR:overlay")]
@@ -128,6 +134,33 @@ pub fn volume(arg: &str) -> Result<(PathBuf, String, bool), ConfigError> {
     }
     let guest = guest_mount_point(guest).map_err(bad)?;
     Ok((dir, guest, writable))
+}
+
+/// `--rootfs DIR[:rw]`: an existing directory (canonical) and whether the guest may write it.
+pub fn rootfs(arg: &str) -> Result<(PathBuf, bool), ConfigError> {
+    let bad = |why: String| ConfigError::Rootfs(arg.to_string(), why);
+    let (dir, writable) = match arg.rsplit_once(':') {
+        Some((d, "rw")) => (d, true),
+        Some((d, "ro")) => (d, false),
+        _ => (arg, false),
+    };
+    let dir = Path::new(dir)
+        .canonicalize()
+        .map_err(|e| bad(e.to_string()))?;
+    if !dir.is_dir() {
+        return Err(bad("not a directory".into()));
+    }
+    Ok((dir, writable))
+}
+
+/// `path` (a guest path, absolute) where the guest sees it: under [`ROOTFS_PATH`] when the
+/// processes' root is a container's.
+pub fn guest_path(rootfs: bool, path: &str) -> String {
+    if rootfs {
+        format!("{ROOTFS_PATH}{path}")
+    } else {
+        path.to_string()
+    }
 }
 
 /// `--workspace DIR:overlay`: the workspace writable over DIR, which is never written; the

@@ -15,6 +15,7 @@ pub mod doctor;
 pub mod fs;
 pub mod image;
 pub mod jail;
+pub mod oci;
 pub mod output;
 pub mod overlay;
 pub mod sandbox;

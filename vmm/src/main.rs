@@ -26,6 +26,20 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+    // The OCI runtime: as `amvm-runc` (the name engines are pointed at) or `amvm oci ...`.
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let as_runc = argv
+        .first()
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .is_some_and(|n| n == "amvm-runc");
+    if as_runc || argv.get(1).is_some_and(|a| a == "oci") {
+        let rest = argv.iter().skip(if as_runc { 1 } else { 2 }).cloned();
+        let args = std::iter::once(std::ffi::OsString::from("amvm-runc")).chain(rest);
+        return match amvm::oci::OciCli::try_parse_from(args) {
+            Ok(cli) => ExitCode::from(amvm::oci::main(cli)),
+            Err(e) => usage_error(e),
+        };
+    }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
@@ -68,6 +82,7 @@ fn main() -> ExitCode {
             let r = amvm::sandbox::commands::commit(&sandbox, &dir);
             return sandbox_result(r.map(|()| ExitCode::SUCCESS));
         }
+        Command::Oci { .. } => unreachable!("dispatched before parsing"),
         Command::Ls { json } => {
             let r = amvm::sandbox::commands::ls(json, &mut std::io::stdout().lock());
             return sandbox_result(r.map(|()| ExitCode::SUCCESS));

@@ -271,6 +271,21 @@ pub fn print_info(info: &Info, out: &mut impl Write) -> Result<(), SandboxError>
 
 /// `amvm rm [-f] SANDBOX...`: every one is tried, each failure said on stderr; whether all
 /// were removed.
+/// Remove sandbox `id`, stopping it first if it runs (the OCI runtime's `delete`). A sandbox
+/// that is gone already is fine.
+pub fn rm_quietly(id: &str) -> Result<(), SandboxError> {
+    let sb = match Sandbox::open(id) {
+        Ok(sb) => sb,
+        Err(SandboxError::NotFound(_)) => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let info = sb.info()?;
+    if matches!(info.state.as_str(), "running" | "stopping" | "starting") {
+        sb.stop(0)?;
+    }
+    sb.remove()
+}
+
 pub fn rm(force: bool, sandboxes: &[String]) -> bool {
     let mut ok = true;
     for s in sandboxes {

@@ -75,6 +75,12 @@ pub struct Info {
     /// The supervisor's pid, and the VMM's.
     pub pid: u32,
     pub vmm_pid: u32,
+    /// Their start times (clock ticks after boot, /proc/PID/stat), which tell them from a
+    /// process that reused the pid.
+    #[serde(default)]
+    pub pid_start: u64,
+    #[serde(default)]
+    pub vmm_start: u64,
     /// How many execs have started.
     pub execs: u64,
     /// How the VM ended (once it has), in words.
@@ -108,6 +114,9 @@ pub struct Config {
 
 /// Where this user's sandboxes live.
 pub fn base_dir() -> PathBuf {
+    if let Some(d) = BASE_DIR.get() {
+        return d.clone();
+    }
     if let Some(d) = std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
         return Path::new(&d).join("amvm");
     }
@@ -116,6 +125,13 @@ pub fn base_dir() -> PathBuf {
         0 => PathBuf::from("/run/amvm"),
         uid => PathBuf::from(format!("/tmp/amvm-{uid}")),
     }
+}
+
+static BASE_DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+
+/// Keep this process's sandboxes in `dir` instead (the OCI runtime's, under its `--root`).
+pub fn set_base_dir(dir: PathBuf) {
+    let _ = BASE_DIR.set(dir);
 }
 
 /// `dir` as a 0700 directory of ours (made if missing).
@@ -233,7 +249,12 @@ pub fn read_state(dir: &Path) -> Result<Info, SandboxError> {
     let raw = std::fs::read(&path).map_err(io_err(path.display()))?;
     let mut info: Info = serde_json::from_slice(&raw)
         .map_err(|e| SandboxError::Io(path.display().to_string(), io::Error::other(e)))?;
-    if matches!(info.state.as_str(), "starting" | "running" | "stopping") && !alive(info.pid) {
+    let supervised = if info.pid_start != 0 {
+        is_ours(info.pid, info.pid_start)
+    } else {
+        alive(info.pid)
+    };
+    if matches!(info.state.as_str(), "starting" | "running" | "stopping") && !supervised {
         info.state = "dead".into();
         info.ended
             .get_or_insert_with(|| "its supervisor is gone".into());
@@ -285,7 +306,7 @@ pub fn remove(id: &str, dir: &Path) -> Result<(), SandboxError> {
     }
     // A VMM left behind by a supervisor killed outright dies with it (PR_SET_PDEATHSIG); make
     // sure of it before the directory goes.
-    if alive(info.vmm_pid) && is_ours(info.vmm_pid, dir) {
+    if is_ours(info.vmm_pid, info.vmm_start) {
         // SAFETY: kill(2) with plain integers.
         unsafe { libc::kill(info.vmm_pid as libc::pid_t, libc::SIGKILL) };
     }
@@ -309,11 +330,21 @@ fn remove_dir_and_name(id: &str, dir: &Path, name: Option<&str>) -> Result<(), S
 
 /// Whether `pid` is still the process this sandbox started (its environment names `dir`), not
 /// an unrelated one that reused the number.
-fn is_ours(pid: u32, dir: &Path) -> bool {
-    let want = format!("AMVM_SANDBOX_DIR={}", dir.display());
-    std::fs::read(format!("/proc/{pid}/environ"))
-        .map(|env| env.split(|&b| b == 0).any(|kv| kv == want.as_bytes()))
-        .unwrap_or(false)
+fn is_ours(pid: u32, start: u64) -> bool {
+    pid != 0 && start != 0 && start_time(pid) == Some(start)
+}
+
+/// When process `pid` started (clock ticks after boot: /proc/PID/stat's 22nd field); `None`
+/// when there is no such process, or only its zombie.
+pub fn start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (2nd field) may hold spaces and parentheses: count from its end.
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    let mut fields = rest.split(' ');
+    if fields.next()? == "Z" {
+        return None;
+    }
+    fields.nth(18)?.parse().ok()
 }
 
 /// Seconds since the Unix epoch.

@@ -75,11 +75,22 @@ pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
     };
     // Everything checkable is checked before anything is made; the session path is set once
     // the directory exists.
-    let mut cfg = args
+    let cfg = args
         .vm
         .into_config(Vec::new(), false, Some(PathBuf::from("/")))
         .map_err(|e| SandboxError::Start(format!("{:#}", anyhow::Error::from(e))))?;
-    let (id, dir) = super::make_dir(args.name.as_deref())?;
+    create_from(cfg, config, args.name, labels)
+}
+
+/// Boot a sandbox from a checked session config (`cfg.session` is set here) and what
+/// `state.json` says of it; its id once it is ready.
+pub fn create_from(
+    mut cfg: RunConfig,
+    config: Config,
+    name: Option<String>,
+    labels: std::collections::BTreeMap<String, String>,
+) -> Result<String, SandboxError> {
+    let (id, dir) = super::make_dir(name.as_deref())?;
     cfg.session = Some(dir.join("guest.sock"));
     // A writable workspace: its upper layer on the host, kept until `rm` (diff and commit
     // read it).
@@ -92,19 +103,21 @@ pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
                 config.overlay_scratch = Some(s);
             }
             Err(e) => {
-                let _ = super::remove_dir_and_name(&id, &dir, args.name.as_deref());
+                let _ = super::remove_dir_and_name(&id, &dir, name.as_deref());
                 return Err(SandboxError::Start(e.to_string()));
             }
         }
     }
     let info = Info {
         id: id.clone(),
-        name: args.name,
+        name,
         labels,
         state: "starting".into(),
         created: now(),
         pid: 0,
         vmm_pid: 0,
+        pid_start: 0,
+        vmm_start: 0,
         execs: 0,
         ended: None,
         config: Config {
@@ -193,9 +206,6 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd) -> i32
     redirect(0, None);
     redirect(1, None);
     redirect(2, Some(&dir.join("supervisor.log")));
-    // Marks this sandbox's processes, so `rm` never kills a stranger that reused a pid.
-    // Single-threaded here: nothing reads the environment concurrently.
-    std::env::set_var("AMVM_SANDBOX_DIR", dir);
     let mut notify = std::fs::File::from(notify);
     let bind = |name: &str| -> Result<std::os::unix::net::UnixListener, String> {
         use std::os::unix::fs::PermissionsExt;
@@ -244,6 +254,9 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd) -> i32
     }
     info.pid = me;
     info.vmm_pid = vmm as u32;
+    // Recorded so that `rm` never kills a stranger that reused a pid.
+    info.pid_start = super::start_time(me).unwrap_or(0);
+    info.vmm_start = super::start_time(vmm as u32).unwrap_or(0);
     let _ = write_state(dir, &info);
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_io()
