@@ -165,3 +165,45 @@ fn collect_rs(dir: &Path, out: &mut String) {
         }
     }
 }
+
+/// docs/engines.md's configuration snippets parse: the daemon.json entry as JSON (with the runtime
+/// path images/setup installs), the RuntimeClass as YAML with its handler.
+#[test]
+fn engines_config_snippets_parse() {
+    let text = read("docs/engines.md");
+    let mut blocks: Vec<(String, String)> = Vec::new();
+    let mut cur: Option<(String, String)> = None;
+    for line in text.lines() {
+        match (&mut cur, line.strip_prefix("```")) {
+            (None, Some(info)) => cur = Some((info.trim().to_string(), String::new())),
+            (Some(_), Some("")) => blocks.push(cur.take().unwrap()),
+            (Some((_, body)), _) => {
+                body.push_str(line);
+                body.push('\n');
+            }
+            (None, None) => {}
+        }
+    }
+    let json: Vec<&String> = blocks
+        .iter()
+        .filter(|b| b.0 == "json")
+        .map(|b| &b.1)
+        .collect();
+    assert_eq!(json.len(), 1, "one daemon.json block");
+    let v: serde_json::Value = serde_json::from_str(json[0]).expect("daemon.json parses");
+    assert_eq!(v["runtimes"]["amvm"]["path"], "/usr/local/bin/amvm-runc");
+    let yaml: Vec<&String> = blocks
+        .iter()
+        .filter(|b| b.0 == "yaml")
+        .map(|b| &b.1)
+        .collect();
+    assert_eq!(yaml.len(), 1, "one RuntimeClass block");
+    let docs = YamlLoader::load_from_str(yaml[0]).expect("the RuntimeClass parses");
+    assert_eq!(key(&docs[0], "kind").as_str(), Some("RuntimeClass"));
+    assert_eq!(key(&docs[0], "handler").as_str(), Some("amvm"));
+    let setup = read("images/setup");
+    assert!(
+        setup.contains("ln -sfn amvm /usr/local/bin/amvm-runc"),
+        "images/setup installs the path docs/engines.md names"
+    );
+}

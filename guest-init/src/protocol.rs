@@ -43,8 +43,9 @@
 //! credit: a slow reader slows its process, never another.
 //!
 //! Exec spec layout: magic [`EXEC_MAGIC`], `id: u64`, `uid: u32`, `gid: u32`, `flags: u32`
-//! (bit 0: stdin, bit 1: a terminal), `rows: u16`, `cols: u16` (the terminal's first window
-//! size), `cwd: bytes`, `argv: list`, `env: list`. A terminal exec's output is all Stdout (its
+//! (bit 0: stdin, bit 1: a terminal, bit 2: a capability set), `rows: u16`, `cols: u16` (the
+//! terminal's first window size), `caps: u64` (with bit 2: the capabilities a uid-0 process
+//! keeps, bit N for capability N), `cwd: bytes`, `argv: list`, `env: list`. A terminal exec's output is all Stdout (its
 //! stdout and stderr are the terminal).
 //!
 //! The API's exec streams (`amvm exec` <-> the sandbox's supervisor) use the same frames: the
@@ -70,7 +71,7 @@ pub const EXEC_PORT: u32 = 1027;
 /// First bytes of an encoded run spec (the trailing digit is the version).
 pub const SPEC_MAGIC: &[u8; 8] = b"AMVMSPC8";
 /// First bytes of an encoded exec spec.
-pub const EXEC_MAGIC: &[u8; 8] = b"AMVMEXE1";
+pub const EXEC_MAGIC: &[u8; 8] = b"AMVMEXE2";
 /// Largest payload an output frame may carry.
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// Largest encoded run spec (argv and environment together; Linux allows about 2 MiB).
@@ -153,6 +154,9 @@ pub struct ExecSpec {
     pub stdin: bool,
     /// A pseudo-terminal of this many rows and columns for its stdin, stdout and stderr.
     pub tty: Option<(u16, u16)>,
+    /// The capabilities a uid-0 process keeps (bit N: capability N); `None`: all of them. A
+    /// process of another uid has none either way.
+    pub caps: Option<u64>,
 }
 
 impl ExecSpec {
@@ -162,11 +166,14 @@ impl ExecSpec {
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&self.uid.to_le_bytes());
         out.extend_from_slice(&self.gid.to_le_bytes());
-        let flags = u32::from(self.stdin) | u32::from(self.tty.is_some()) << 1;
+        let flags = u32::from(self.stdin)
+            | u32::from(self.tty.is_some()) << 1
+            | u32::from(self.caps.is_some()) << 2;
         out.extend_from_slice(&flags.to_le_bytes());
         let (rows, cols) = self.tty.unwrap_or((0, 0));
         out.extend_from_slice(&rows.to_le_bytes());
         out.extend_from_slice(&cols.to_le_bytes());
+        out.extend_from_slice(&self.caps.unwrap_or(0).to_le_bytes());
         put_bytes(&mut out, &self.cwd);
         for list in [&self.argv, &self.env] {
             out.extend_from_slice(&(list.len() as u32).to_le_bytes());
@@ -191,6 +198,7 @@ impl ExecSpec {
             u16::from_le_bytes([size[0], size[1]]),
             u16::from_le_bytes([size[2], size[3]]),
         );
+        let caps = r.u64()?;
         let cwd = r.bytes()?.to_vec();
         let argv = r.list()?;
         let env = r.list()?;
@@ -202,6 +210,7 @@ impl ExecSpec {
         }
         Ok(ExecSpec {
             tty: (flags & 2 != 0).then_some((rows, cols)),
+            caps: (flags & 4 != 0).then_some(caps),
             id,
             argv,
             env,
@@ -910,6 +919,7 @@ mod tests {
             gid: 1000,
             stdin: true,
             tty: Some((50, 132)),
+            caps: Some(1 << 21 | 1),
         }
     }
 

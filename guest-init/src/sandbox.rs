@@ -122,6 +122,9 @@ impl Drop for ExecCgroup {
 pub struct Confinement {
     /// Make stdin (a pseudo-terminal) the controlling terminal of the new session.
     pub ctty: bool,
+    /// The capabilities a uid-0 process keeps (its bounding set: what exec gives root);
+    /// `None`: all.
+    pub caps: Option<u64>,
     /// A container's root to chroot into, and the working directory inside it.
     root: Option<(std::ffi::CString, std::ffi::CString)>,
     procs_fd: i32,
@@ -140,6 +143,7 @@ impl Confinement {
             .unwrap_or(63);
         Confinement {
             ctty: false,
+            caps: None,
             root: None,
             procs_fd: procs.as_raw_fd(),
             uid,
@@ -187,6 +191,18 @@ impl Confinement {
         check(unsafe { libc::setgroups(0, std::ptr::null()) })?;
         // SAFETY: setgid takes a plain integer.
         check(unsafe { libc::setgid(self.gid) })?;
+        if let (0, Some(keep)) = (self.uid, self.caps) {
+            // Root regains at exec exactly the bounding set (no_new_privs caps it at what it
+            // had, which is everything): dropping the rest leaves it `keep`.
+            for cap in 0..=self.last_cap {
+                if cap < 64 && keep & (1 << cap) == 0 {
+                    // SAFETY: prctl with plain integers.
+                    check(unsafe {
+                        libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0)
+                    })?;
+                }
+            }
+        }
         if self.uid != 0 {
             for cap in 0..=self.last_cap {
                 // SAFETY: prctl with plain integers; EINVAL past the kernel's last capability

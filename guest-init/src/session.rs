@@ -301,6 +301,7 @@ fn run(
         cmd.current_dir(OsStr::from_bytes(&spec.cwd));
     }
     let mut confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
+    confinement.caps = spec.caps;
     if let Err(e) = confinement.in_root(&shared.root, &spec.cwd) {
         let msg = format!("amvm: the root or working directory: {e}\n");
         stream.send(FrameKind::Stderr, msg.as_bytes())?;

@@ -216,6 +216,12 @@ pub struct ExecArgs {
     /// The sandbox's id or name.
     #[arg(value_name = "SANDBOX")]
     pub sandbox: String,
+    /// `env` is the whole environment (the OCI runtime's processes).
+    #[arg(skip)]
+    pub clear_env: bool,
+    /// The capabilities a uid-0 command keeps (the OCI runtime's processes).
+    #[arg(skip)]
+    pub capabilities: Option<u64>,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,

@@ -358,6 +358,8 @@ fn run(cli: OciCli) -> Result<u8, OciError> {
                         user,
                         sandbox: c.sandbox.clone(),
                         command: command.into_iter().map(Into::into).collect(),
+                        clear_env: false,
+                        capabilities: None,
                     }
                 }
             };
@@ -454,11 +456,13 @@ fn create(
     let args = crate::cli::ExecArgs {
         interactive: true,
         tty: b.process.terminal,
-        env: Vec::new(),
+        env: b.process.env.clone(),
         workdir: None,
         user: None,
         sandbox: sandbox.clone(),
         command: b.process.args.iter().map(Into::into).collect(),
+        clear_env: true,
+        capabilities: b.process.capabilities,
     };
     // SAFETY: fork(2) from this single-threaded process (the sandbox's supervisor was forked
     // off before, and nothing here started a thread); the child only waits and execs.
@@ -621,6 +625,8 @@ fn exec_args_from(path: &Path, sandbox: &str) -> Result<crate::cli::ExecArgs, Oc
         user: Some(format!("{}:{}", p.user().uid(), p.user().gid())),
         sandbox: sandbox.into(),
         command: args.into_iter().map(Into::into).collect(),
+        clear_env: true,
+        capabilities: spec::capabilities(&p)?,
     })
 }
 

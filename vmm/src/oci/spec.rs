@@ -40,6 +40,77 @@ const GUEST_MADE: &[&str] = &[
 pub struct Process {
     pub args: Vec<String>,
     pub terminal: bool,
+    /// Its whole environment.
+    pub env: Vec<String>,
+    /// The capabilities it keeps when it runs as uid 0.
+    pub capabilities: Option<u64>,
+}
+
+/// Capability names, by number (include/uapi/linux/capability.h).
+const CAPABILITIES: &[&str] = &[
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "DAC_READ_SEARCH",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "SETGID",
+    "SETUID",
+    "SETPCAP",
+    "LINUX_IMMUTABLE",
+    "NET_BIND_SERVICE",
+    "NET_BROADCAST",
+    "NET_ADMIN",
+    "NET_RAW",
+    "IPC_LOCK",
+    "IPC_OWNER",
+    "SYS_MODULE",
+    "SYS_RAWIO",
+    "SYS_CHROOT",
+    "SYS_PTRACE",
+    "SYS_PACCT",
+    "SYS_ADMIN",
+    "SYS_BOOT",
+    "SYS_NICE",
+    "SYS_RESOURCE",
+    "SYS_TIME",
+    "SYS_TTY_CONFIG",
+    "MKNOD",
+    "LEASE",
+    "AUDIT_WRITE",
+    "AUDIT_CONTROL",
+    "SETFCAP",
+    "MAC_OVERRIDE",
+    "MAC_ADMIN",
+    "SYSLOG",
+    "WAKE_ALARM",
+    "BLOCK_SUSPEND",
+    "AUDIT_READ",
+    "PERFMON",
+    "BPF",
+    "CHECKPOINT_RESTORE",
+];
+
+/// A process's capabilities (its bounding set, which is what uid 0 holds after exec) as a
+/// mask. As with runc, what the spec leaves out the process does not get: no set, none (engines
+/// omit an empty list).
+pub fn capabilities(p: &oci_spec::runtime::Process) -> Result<Option<u64>, OciError> {
+    let Some(set) = p.capabilities().as_ref().and_then(|c| c.bounding().clone()) else {
+        return Ok(Some(0));
+    };
+    let mut mask = 0u64;
+    for cap in set {
+        let name = serde_json::to_value(cap)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        let bare = name.strip_prefix("CAP_").unwrap_or(&name);
+        match CAPABILITIES.iter().position(|c| *c == bare) {
+            Some(n) => mask |= 1 << n,
+            None => tracing::warn!("capability {name} is unknown to amvm: left out"),
+        }
+    }
+    Ok(Some(mask))
 }
 
 /// A bundle, loaded and mapped.
@@ -245,12 +316,20 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
             guest_init::protocol::MAX_SPEC_LEN
         )));
     }
+    let process_env = cfg
+        .spec
+        .env
+        .iter()
+        .map(|e| String::from_utf8_lossy(e).into_owned())
+        .collect();
     Ok(Bundle {
         cfg,
         state,
         process: Process {
             args,
             terminal: proc.terminal().unwrap_or(false),
+            env: process_env,
+            capabilities: capabilities(proc)?,
         },
         annotations,
     })
@@ -464,6 +543,25 @@ fn exists_at(at: i32, name: &std::ffi::CString) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resources_size_the_vm() {
+        let spec: Spec = serde_json::from_str(
+            r#"{"ociVersion":"1.0.2","linux":{"resources":{
+                "memory":{"limit":134217728},"cpu":{"quota":200000,"period":100000},
+                "pids":{"limit":64}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(resources(&spec).unwrap(), (128 + MEM_HEADROOM_MIB, 2, 64));
+        let spec: Spec = serde_json::from_str(
+            r#"{"ociVersion":"1.0.2","linux":{"resources":{"cpu":{"cpus":"0-3"}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            resources(&spec).unwrap(),
+            (DEFAULT_MEM_MIB, 4, crate::cli::DEFAULT_PIDS)
+        );
+    }
 
     #[test]
     fn cpusets_and_destinations() {

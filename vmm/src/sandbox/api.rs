@@ -33,6 +33,14 @@ pub struct ExecRequest {
     /// frames); `TERM` defaults to `xterm`.
     #[serde(default)]
     pub tty: Option<TtySize>,
+    /// `env` is the command's whole environment, not added to the sandbox's and amvm's
+    /// defaults (`PATH`, `HOME`, ...).
+    #[serde(default)]
+    pub clear_env: bool,
+    /// The capabilities a command run as uid 0 keeps, bit N for capability N (default: all;
+    /// a command of another uid has none).
+    #[serde(default)]
+    pub capabilities: Option<u64>,
 }
 
 /// A terminal's window.
@@ -181,7 +189,9 @@ mod tests {
                 workdir: None,
                 user: None,
                 stdin: false,
-                tty: None
+                tty: None,
+                clear_env: false,
+                capabilities: None,
             }
         );
         let s: StopRequest = serde_json::from_str("{}").unwrap();

@@ -269,6 +269,8 @@ impl Sandbox {
             user: None,
             stdin: false,
             tty: None,
+            clear_env: false,
+            capabilities: None,
         })?;
         let mut out = Output {
             status: 0,

@@ -44,6 +44,8 @@ pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
         user: args.user,
         stdin: args.interactive,
         tty,
+        clear_env: args.clear_env,
+        capabilities: args.capabilities,
     })?;
     // Raw mode on the caller's terminal while the command has one of its own (restored when
     // this returns), and its window size kept up to date.

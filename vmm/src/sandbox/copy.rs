@@ -68,6 +68,8 @@ impl Sandbox {
             user: None,
             stdin,
             tty: None,
+            clear_env: false,
+            capabilities: None,
         })
     }
 

@@ -756,12 +756,21 @@ fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> 
         Some(w) => return Err(format!("-w {w}: the working directory must be absolute")),
         None => info.config.workdir.clone(),
     };
-    let mut extra = info.config.env.clone();
-    if req.tty.is_some() {
-        extra.push("TERM=xterm".into());
-    }
-    extra.extend(req.env.iter().cloned());
-    let env = crate::config::workload_env(uid, &extra).map_err(|e| e.to_string())?;
+    let env = if req.clear_env {
+        for kv in &req.env {
+            if !matches!(kv.split_once('='), Some((k, _)) if !k.is_empty()) {
+                return Err(format!("-e {kv}: say KEY=VAL"));
+            }
+        }
+        req.env.iter().map(|kv| kv.as_bytes().to_vec()).collect()
+    } else {
+        let mut extra = info.config.env.clone();
+        if req.tty.is_some() {
+            extra.push("TERM=xterm".into());
+        }
+        extra.extend(req.env.iter().cloned());
+        crate::config::workload_env(uid, &extra).map_err(|e| e.to_string())?
+    };
     let spec = ExecSpec {
         id,
         argv: req.argv.iter().map(|a| a.as_bytes().to_vec()).collect(),
@@ -771,6 +780,7 @@ fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> 
         gid,
         stdin: req.stdin,
         tty: req.tty.map(|t| (t.rows, t.cols)),
+        caps: req.capabilities,
     };
     let len = spec.encode().len();
     if len > guest_init::protocol::MAX_SPEC_LEN {
