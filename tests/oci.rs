@@ -273,6 +273,59 @@ fn exec_stop_and_kill_work_on_a_running_container() {
         "{}",
         out.stderr
     );
+    // podman cp (put_archive / get_archive) into and out of the running container: the files
+    // are the container's, in the root its VM sees, and nothing lands in the host's own /.
+    let file = p.base.join("to-copy");
+    std::fs::write(&file, "copied in\n").unwrap();
+    let host_tmp_before = Path::new("/tmp/amvm-oci-copied").exists();
+    let out = p.podman(&["cp", file.to_str().unwrap(), "long:/tmp/amvm-oci-copied"]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(
+        Path::new("/tmp/amvm-oci-copied").exists(),
+        host_tmp_before,
+        "podman cp wrote into the host's /tmp"
+    );
+    let out = p.podman(&[
+        "exec",
+        "long",
+        "sh",
+        "-c",
+        "cat /tmp/amvm-oci-copied; echo made inside > /root/out",
+    ]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "copied in\n"),
+        "{}",
+        out.stderr
+    );
+    let back = p.base.join("copied-out");
+    let out = p.podman(&["cp", "long:/root/out", back.to_str().unwrap()]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(std::fs::read_to_string(&back).unwrap(), "made inside\n");
+    // podman exec -it: a terminal of the caller's size.
+    let pty_run = concat!(env!("CARGO_MANIFEST_DIR"), "/standin/pty_run.py");
+    let mut args = vec![
+        pty_run.to_string(),
+        "33".into(),
+        "90".into(),
+        "--".into(),
+        "/usr/bin/podman".into(),
+    ];
+    let c = p.cmd(&["exec", "-it", "long", "sh", "-c", "tty; stty size; exit 3"]);
+    args.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
+    let tty = Command::new("python3")
+        .args(&args)
+        .env("TMPDIR", p.base.join("tmp"))
+        .env("CONTAINERS_CONF", p.base.join("containers.conf"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&tty.stdout).replace('\r', "");
+    assert_eq!(tty.status.code(), Some(3), "{text}");
+    assert!(
+        text.contains("/dev/pts/") && text.contains("33 90\n"),
+        "{text}"
+    );
     // docker stop / podman stop: SIGTERM reaches the process (sleep dies of it: 143).
     let out = p.podman(&["stop", "--time", "20", "long"]);
     assert_eq!(out.code, 0, "{}", out.stderr);

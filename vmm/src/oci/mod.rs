@@ -429,6 +429,7 @@ fn create(
         .first()
         .map(|s| s.1.clone())
         .unwrap_or_default();
+    let c_rootfs = rootfs.clone();
     let mut labels = b.annotations.clone();
     labels.insert("io.amvm.oci.id".into(), id.into());
     let sandbox = sandbox::supervisor::create_from(b.cfg, b.state, None, labels)
@@ -473,7 +474,7 @@ fn create(
         )));
     }
     if pid == 0 {
-        let code = container_process(&fifo, tty, args);
+        let code = container_process(&fifo, tty, args, &c_rootfs);
         // SAFETY: _exit(2) with the container's status.
         unsafe { libc::_exit(i32::from(code)) };
     }
@@ -500,14 +501,131 @@ fn create(
     Ok(0)
 }
 
-/// The container's process: wait for `start`, run the container's exec with our stdio, stop
-/// the sandbox, and end with the exec's status.
-fn container_process(fifo: &Path, tty: Option<console::Pty>, args: crate::cli::ExecArgs) -> u8 {
+/// The container's process, the one the engine waits for: it forks the worker below, then
+/// chroots into the container's root on the host (engines reach a running container's files
+/// through /proc/PID/root: `podman cp` lands in the root the guest sees, not in the host's /),
+/// forwards the signals it gets (`kill`) to the worker, and ends with the worker's status.
+fn container_process(
+    fifo: &Path,
+    tty: Option<console::Pty>,
+    args: crate::cli::ExecArgs,
+    rootfs: &Path,
+) -> u8 {
     if let Some(pty) = tty {
         if pty.make_stdio().is_err() {
             return crate::exit::AMVM_FAILURE;
         }
     }
+    // Blocked before the fork, so a signal sent meanwhile waits for the loop below.
+    let Ok(signals) = crate::signals::Signals::block() else {
+        return crate::exit::AMVM_FAILURE;
+    };
+    let me = std::process::id();
+    // SAFETY: fork(2) from this single-threaded process.
+    let worker = unsafe { libc::fork() };
+    if worker < 0 {
+        return crate::exit::AMVM_FAILURE;
+    }
+    if worker == 0 {
+        drop(signals);
+        // SAFETY: prctl(2) with integer arguments: the worker dies with the container's process.
+        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+        if std::os::unix::process::parent_id() != me {
+            return crate::exit::AMVM_FAILURE;
+        }
+        return container_worker(fifo, args);
+    }
+    // Without the privilege (a rootless engine) this process keeps the host's root, which only
+    // matters to `cp`.
+    if let Err(e) = enter_root(rootfs) {
+        tracing::warn!("the container's process stays in the host's root: {e}");
+    }
+    loop {
+        let mut pfd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(&signals),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, 100) };
+        while let Ok(Some(sig)) = signals.next() {
+            // SAFETY: kill(2) of our own child.
+            unsafe { libc::kill(worker, sig) };
+        }
+        let mut status = 0;
+        // SAFETY: waitpid(2) of our own child into a local.
+        if unsafe { libc::waitpid(worker, &mut status, libc::WNOHANG) } == worker {
+            return if libc::WIFEXITED(status) {
+                libc::WEXITSTATUS(status) as u8
+            } else {
+                128u8.wrapping_add(libc::WTERMSIG(status) as u8)
+            };
+        }
+    }
+}
+
+/// Make `rootfs` this process's root in a mount namespace of its own, as runc leaves a
+/// container's init: an engine that joins that namespace (`podman cp` into a running
+/// container) finds the container's files at `/`. The sandbox's virtiofsd, in the host's
+/// namespace, serves the same directory.
+fn enter_root(rootfs: &Path) -> std::io::Result<()> {
+    let check = |rc: libc::c_int| {
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    let root = std::ffi::CString::new(rootfs.as_os_str().as_encoded_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    // SAFETY: unshare(2) with a flag, from this single-threaded process.
+    check(unsafe { libc::unshare(libc::CLONE_NEWNS) })?;
+    // SAFETY: mount(2) with literals and null pointers where the call takes none: nothing
+    // done here propagates back to the host's namespace.
+    check(unsafe {
+        libc::mount(
+            std::ptr::null(),
+            c"/".as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    })?;
+    // SAFETY: mount(2) binding the root onto itself (pivot_root needs a mount point).
+    check(unsafe {
+        libc::mount(
+            root.as_ptr(),
+            root.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND | libc::MS_REC,
+            std::ptr::null(),
+        )
+    })?;
+    // SAFETY: chdir(2) of a NUL-terminated string.
+    check(unsafe { libc::chdir(root.as_ptr()) })?;
+    // pivot_root(".", "."): the old root ends up stacked on the new one, then detached.
+    // SAFETY: the pivot_root system call with two literal paths.
+    check(unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) } as i32)?;
+    // SAFETY: umount2(2) of a literal path.
+    check(unsafe { libc::umount2(c".".as_ptr(), libc::MNT_DETACH) })?;
+    // SAFETY: chdir(2) of a literal.
+    check(unsafe { libc::chdir(c"/".as_ptr()) })
+}
+
+/// Wait for `start`, run the container's exec with our stdio, stop the sandbox, and end with
+/// the exec's status.
+fn container_worker(fifo: &Path, args: crate::cli::ExecArgs) -> u8 {
+    // Until `start`, the forwarded signals do what they do by default (end us).
+    // SAFETY: sigset_t is plain data; sigemptyset(3) makes the local a valid empty set.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::sigemptyset(&mut set) };
+    for sig in crate::signals::FORWARDED {
+        // SAFETY: sigaddset(3) on a local set.
+        unsafe { libc::sigaddset(&mut set, sig) };
+    }
+    // SAFETY: pthread_sigmask(3) with a local set.
+    unsafe { libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut()) };
     // Blocks until `start` opens the other end (or we are killed first).
     let started = std::fs::File::open(fifo).and_then(|mut f| {
         let mut b = [0u8; 1];
