@@ -105,6 +105,28 @@ impl Podman {
     }
 }
 
+impl Podman {
+    /// `podman ARGS` on a pseudo-terminal of ROWS x COLS (tests/standin/pty_run.py): its exit
+    /// status and what it wrote to the terminal (without carriage returns).
+    fn on_terminal(&self, rows: u16, cols: u16, args: &[&str]) -> (Option<i32>, String) {
+        let pty_run = concat!(env!("CARGO_MANIFEST_DIR"), "/standin/pty_run.py");
+        let c = self.cmd(args);
+        let out = Command::new("python3")
+            .arg(pty_run)
+            .args([rows.to_string(), cols.to_string()])
+            .arg("--")
+            .arg("/usr/bin/podman")
+            .args(c.get_args())
+            .env("TMPDIR", self.base.join("tmp"))
+            .env("CONTAINERS_CONF", self.base.join("containers.conf"))
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).replace('\r', "");
+        (out.status.code(), text)
+    }
+}
+
 impl Drop for Podman {
     fn drop(&mut self) {
         let _ = self.podman(&["rm", "--all", "--force", "--time", "0"]);
@@ -303,25 +325,12 @@ fn exec_stop_and_kill_work_on_a_running_container() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(std::fs::read_to_string(&back).unwrap(), "made inside\n");
     // podman exec -it: a terminal of the caller's size.
-    let pty_run = concat!(env!("CARGO_MANIFEST_DIR"), "/standin/pty_run.py");
-    let mut args = vec![
-        pty_run.to_string(),
-        "33".into(),
-        "90".into(),
-        "--".into(),
-        "/usr/bin/podman".into(),
-    ];
-    let c = p.cmd(&["exec", "-it", "long", "sh", "-c", "tty; stty size; exit 3"]);
-    args.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
-    let tty = Command::new("python3")
-        .args(&args)
-        .env("TMPDIR", p.base.join("tmp"))
-        .env("CONTAINERS_CONF", p.base.join("containers.conf"))
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&tty.stdout).replace('\r', "");
-    assert_eq!(tty.status.code(), Some(3), "{text}");
+    let (code, text) = p.on_terminal(
+        33,
+        90,
+        &["exec", "-it", "long", "sh", "-c", "tty; stty size; exit 3"],
+    );
+    assert_eq!(code, Some(3), "{text}");
     assert!(
         text.contains("/dev/pts/") && text.contains("33 90\n"),
         "{text}"
@@ -388,40 +397,22 @@ fn pids_memory_and_cpu_limits_size_the_vm() {
 #[test]
 fn run_it_gives_a_terminal_of_the_callers_size() {
     let p = Podman::new("tty");
-    let pty_run = concat!(env!("CARGO_MANIFEST_DIR"), "/standin/pty_run.py");
-    let mut args = vec![
-        pty_run.to_string(),
-        "30".into(),
-        "100".into(),
-        "--".into(),
-        "/usr/bin/podman".into(),
-    ];
-    let c = p.cmd(&[
-        "run",
-        "--rm",
-        "-it",
-        "--network",
-        "none",
-        IMAGE,
-        "sh",
-        "-c",
-        "tty; stty size; exit 5",
-    ]);
-    args.extend(c.get_args().map(|a| a.to_string_lossy().into_owned()));
-    let out = Command::new("python3")
-        .args(&args)
-        .env("TMPDIR", p.base.join("tmp"))
-        .env("CONTAINERS_CONF", p.base.join("containers.conf"))
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).replace('\r', "");
-    assert_eq!(
-        out.status.code(),
-        Some(5),
-        "{text} {}",
-        String::from_utf8_lossy(&out.stderr)
+    let (code, text) = p.on_terminal(
+        30,
+        100,
+        &[
+            "run",
+            "--rm",
+            "-it",
+            "--network",
+            "none",
+            IMAGE,
+            "sh",
+            "-c",
+            "tty; stty size; exit 5",
+        ],
     );
+    assert_eq!(code, Some(5), "{text}");
     assert!(text.contains("/dev/pts/"), "{text}");
     assert!(text.contains("30 100\n"), "{text}");
 }

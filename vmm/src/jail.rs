@@ -259,6 +259,12 @@ pub fn enter_namespaces() -> Result<(), JailError> {
         write("gid_map", "/proc/self/gid_map", format!("{gid} {gid} 1"))?;
     }
     // Nothing amvm (or virtiofsd) mounts may propagate back to the host.
+    make_mounts_private().map_err(JailError::Propagation)
+}
+
+/// In a fresh mount namespace: make every mount private, so nothing mounted from here on
+/// propagates back to the host's namespace.
+pub fn make_mounts_private() -> io::Result<()> {
     // SAFETY: mount(2) with a static, NUL-terminated path and no data.
     let r = unsafe {
         libc::mount(
@@ -270,7 +276,7 @@ pub fn enter_namespaces() -> Result<(), JailError> {
         )
     };
     if r != 0 {
-        return Err(JailError::Propagation(io::Error::last_os_error()));
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

@@ -580,17 +580,7 @@ fn enter_root(rootfs: &Path) -> std::io::Result<()> {
         .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
     // SAFETY: unshare(2) with a flag, from this single-threaded process.
     check(unsafe { libc::unshare(libc::CLONE_NEWNS) })?;
-    // SAFETY: mount(2) with literals and null pointers where the call takes none: nothing
-    // done here propagates back to the host's namespace.
-    check(unsafe {
-        libc::mount(
-            std::ptr::null(),
-            c"/".as_ptr(),
-            std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
-            std::ptr::null(),
-        )
-    })?;
+    crate::jail::make_mounts_private()?;
     // SAFETY: mount(2) binding the root onto itself (pivot_root needs a mount point).
     check(unsafe {
         libc::mount(
