@@ -6,24 +6,14 @@
 
 use amvm_tests::run_vm_leaving_nothing as run_vm;
 
-/// Forks children that sleep until a fork fails; prints how many it made and the errno.
-const FORK_UNTIL_REFUSED: &str = r#"
-import os, time
-print(open("/sys/fs/cgroup/workload/pids.max").read().strip())
-n = 0
-try:
-    while n < 10000:
-        if os.fork() == 0:
-            time.sleep(600)
-            os._exit(0)
-        n += 1
-except OSError as e:
-    print("forks", n, "then errno", e.errno)
-"#;
-
 #[test]
 fn pids_stops_a_fork_bomb_at_the_limit() {
-    let o = run_vm(&["--pids", "50"], &["python3", "-c", FORK_UNTIL_REFUSED]);
+    // The limit the workload sees, then the fork loop.
+    let script = format!(
+        "print(open('/sys/fs/cgroup/workload/pids.max').read().strip()){}",
+        amvm_tests::FORK_UNTIL_REFUSED
+    );
+    let o = run_vm(&["--pids", "50"], &["python3", "-c", &script]);
     assert_eq!(o.code, 0, "{o:?}");
     // The workload itself is one of the 50 tasks; EAGAIN (11) refuses the 50th fork.
     assert_eq!(o.stdout_str(), "50\nforks 49 then errno 11\n", "{o:?}");

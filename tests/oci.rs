@@ -41,6 +41,23 @@ fn busybox_root(root: &Path) {
     std::fs::write(root.join("etc/group"), "root:x:0:\nnogroup:x:65534:\n").unwrap();
 }
 
+/// [`busybox_root`] at `base/rootfs`, and packed as `base/rootfs.tar` for an engine's import.
+fn busybox_tar(base: &Path) -> PathBuf {
+    let root = base.join("rootfs");
+    busybox_root(&root);
+    let tar = base.join("rootfs.tar");
+    let st = Command::new("tar")
+        .arg("-C")
+        .arg(&root)
+        .arg("-cf")
+        .arg(&tar)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(st.success());
+    tar
+}
+
 impl Podman {
     fn new(name: &str) -> Podman {
         require_kvm();
@@ -60,18 +77,7 @@ impl Podman {
             "[engine]\nlock_type = \"file\"\n",
         )
         .unwrap();
-        let root = base.join("rootfs");
-        busybox_root(&root);
-        let tar = base.join("rootfs.tar");
-        let st = Command::new("tar")
-            .arg("-C")
-            .arg(&root)
-            .arg("-cf")
-            .arg(&tar)
-            .arg(".")
-            .status()
-            .unwrap();
-        assert!(st.success());
+        let tar = busybox_tar(&base);
         let p = Podman { base };
         let out = p.podman(&["import", "-q", tar.to_str().unwrap(), IMAGE]);
         assert_eq!(out.code, 0, "podman import: {}", out.stderr);
@@ -518,18 +524,7 @@ impl Docker {
             );
             std::thread::sleep(Duration::from_millis(300));
         }
-        let root = d.base.join("rootfs");
-        busybox_root(&root);
-        let tar = d.base.join("rootfs.tar");
-        let st = Command::new("tar")
-            .arg("-C")
-            .arg(&root)
-            .arg("-cf")
-            .arg(&tar)
-            .arg(".")
-            .status()
-            .unwrap();
-        assert!(st.success());
+        let tar = busybox_tar(&d.base);
         let out = d.docker(&["import", tar.to_str().unwrap(), "amvm-busybox"]);
         assert_eq!(out.code, 0, "docker import: {}", out.stderr);
         d

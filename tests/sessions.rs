@@ -435,26 +435,12 @@ fn an_idle_sandbox_stops_by_itself_but_not_while_an_exec_runs() {
     all_gone(&procs);
 }
 
-/// Forks children that sleep until a fork fails; prints how many it made and the errno.
-const FORK_UNTIL_REFUSED: &str = r#"
-import os, time
-n = 0
-try:
-    while n < 10000:
-        if os.fork() == 0:
-            time.sleep(600)
-            os._exit(0)
-        n += 1
-except OSError as e:
-    print("forks", n, "then errno", e.errno)
-"#;
-
 #[test]
 fn an_exec_that_hits_the_pids_or_memory_limit_leaves_the_sandbox_serving() {
     let w = World::new("limits");
     let id = w.create(&["--mem", "256", "--pids", "40"]);
     // The fork bomb stops at the sandbox's pids.max; its children die with it (its cgroup).
-    let out = w.exec(&id, &["python3", "-c", FORK_UNTIL_REFUSED]);
+    let out = w.exec(&id, &["python3", "-c", amvm_tests::FORK_UNTIL_REFUSED]);
     assert_eq!(
         (out.code, out.stdout_str().as_str()),
         (0, "forks 39 then errno 11\n"),

@@ -4,3 +4,4 @@
 //! The VMM depends on this library; the `guest-init` binary (PID 1 in the guest) uses it too.
 
 pub mod protocol;
+pub mod pty;

@@ -181,27 +181,8 @@ fn start(spec: ExecSpec, shared: &Arc<Shared>) {
 /// A pseudo-terminal of `rows` x `cols`: its master, and its peer (the slave) owned by
 /// `uid`:`gid`.
 fn open_pty(rows: u16, cols: u16, uid: u32, gid: u32) -> io::Result<(File, File)> {
-    use std::os::fd::FromRawFd;
-    let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
-    // SAFETY: open(2) of a literal path; the result is checked.
-    let m = unsafe { libc::open(c"/dev/ptmx".as_ptr(), flags) };
-    if m < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor that nothing else owns.
-    let master = unsafe { File::from_raw_fd(m) };
-    let unlock: libc::c_int = 0;
-    // SAFETY: ioctl(2) TIOCSPTLCK reads the int it is pointed at.
-    if unsafe { libc::ioctl(m, libc::TIOCSPTLCK, &unlock) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: ioctl(2) TIOCGPTPEER with open flags: a new descriptor for the peer, checked.
-    let s = unsafe { libc::ioctl(m, libc::TIOCGPTPEER, flags) };
-    if s < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor that nothing else owns.
-    let slave = unsafe { File::from_raw_fd(s) };
+    let (master, slave) = guest_init::pty::open_pair()?;
+    let s = slave.as_raw_fd();
     // SAFETY: fchown(2) on a descriptor we own.
     unsafe { libc::fchown(s, uid, gid) };
     set_window(&master, rows, cols)?;

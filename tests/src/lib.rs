@@ -46,6 +46,21 @@ pub fn require_kvm() {
     }
 }
 
+/// A Python script that forks children (each sleeping) until a fork fails; prints how many it
+/// made and the errno (`forks N then errno 11` at a pids limit).
+pub const FORK_UNTIL_REFUSED: &str = r#"
+import os, time
+n = 0
+try:
+    while n < 10000:
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print("forks", n, "then errno", e.errno)
+"#;
+
 /// What one `amvm` invocation produced.
 #[derive(Debug)]
 pub struct Outcome {

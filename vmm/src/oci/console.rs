@@ -4,7 +4,7 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::path::Path;
 
 pub struct Pty {
@@ -15,26 +15,7 @@ pub struct Pty {
 impl Pty {
     /// A new pair from /dev/ptmx.
     pub fn open() -> io::Result<Pty> {
-        let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
-        // SAFETY: open(2) of a literal path; the result is checked.
-        let m = unsafe { libc::open(c"/dev/ptmx".as_ptr(), flags) };
-        if m < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor that nothing else owns.
-        let master = unsafe { File::from_raw_fd(m) };
-        let unlock: libc::c_int = 0;
-        // SAFETY: ioctl(2) TIOCSPTLCK reads the int it is pointed at.
-        if unsafe { libc::ioctl(m, libc::TIOCSPTLCK, &unlock) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: ioctl(2) TIOCGPTPEER with open flags: a new descriptor for the peer, checked.
-        let s = unsafe { libc::ioctl(m, libc::TIOCGPTPEER, flags) };
-        if s < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: a fresh descriptor that nothing else owns.
-        let slave = unsafe { File::from_raw_fd(s) };
+        let (master, slave) = guest_init::pty::open_pair()?;
         Ok(Pty { master, slave })
     }
 

@@ -640,6 +640,7 @@ fn container_worker(fifo: &Path, args: crate::cli::ExecArgs) -> u8 {
 }
 
 fn start(rt: &Runtime, id: &str) -> Result<u8, OciError> {
+    use std::os::unix::fs::OpenOptionsExt;
     let (dir, c) = rt.load(id)?;
     match rt.status(&dir, &c) {
         "created" => {}
@@ -651,7 +652,7 @@ fn start(rt: &Runtime, id: &str) -> Result<u8, OciError> {
     // Non-blocking: with nobody at the other end (the process is gone) this fails at once.
     let f = std::fs::OpenOptions::new()
         .write(true)
-        .custom_flags_nonblock()
+        .custom_flags(libc::O_NONBLOCK)
         .open(&fifo);
     match f.and_then(|mut f| f.write_all(b"1")) {
         Ok(()) => Ok(0),
@@ -659,17 +660,6 @@ fn start(rt: &Runtime, id: &str) -> Result<u8, OciError> {
             let _ = std::fs::remove_file(dir.join("started"));
             Err(io_err(format!("starting {id}"))(e))
         }
-    }
-}
-
-trait NonBlock {
-    fn custom_flags_nonblock(&mut self) -> &mut Self;
-}
-
-impl NonBlock for std::fs::OpenOptions {
-    fn custom_flags_nonblock(&mut self) -> &mut Self {
-        use std::os::unix::fs::OpenOptionsExt;
-        self.custom_flags(libc::O_NONBLOCK)
     }
 }
 
