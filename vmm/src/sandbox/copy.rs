@@ -149,6 +149,19 @@ impl Sandbox {
             }
         };
         let fed = feeder.join().unwrap_or(Ok(()));
+        // The guest's side failing is the cause (the host's tar then fails too, writing into a
+        // stream nobody reads): say why it failed.
+        if status != 0 {
+            if let Some(mut tar) = child.take() {
+                let _ = tar.kill();
+                let _ = tar.wait();
+            }
+            return Err(cp_err(format!(
+                "{}:{dest}: {}",
+                self.shown(),
+                first_line(&errs)
+            )));
+        }
         if let Some(mut tar) = child.take() {
             let mut e = String::new();
             if let Some(mut se) = tar.stderr.take() {
@@ -166,13 +179,6 @@ impl Sandbox {
         }
         if let Err(e) = fed {
             return Err(cp_err(format!("reading the tar stream: {e}")));
-        }
-        if status != 0 {
-            return Err(cp_err(format!(
-                "{}:{dest}: {}",
-                self.shown(),
-                first_line(&errs)
-            )));
         }
         Ok(())
     }
