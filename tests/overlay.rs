@@ -194,6 +194,46 @@ fn a_symlink_out_made_in_the_guest_is_refused_when_applied() {
     assert!(!copy.join("fine").exists(), "nothing applied");
 }
 
+/// `--overlay-size`: what fits is written, what does not gets ENOSPC, and the workload goes on
+/// to its own exit status; the changes hold exactly what it kept, and the capped layer (a tmpfs
+/// in the supervisor's namespace) leaves nothing behind.
+#[test]
+fn a_full_overlay_size_gives_the_workload_enospc_and_the_run_goes_on() {
+    let bed = Bed::new("size");
+    let before = manifest(&bed.dir);
+    let o = bed.run(
+        &["--overlay-size", "4m"],
+        "cd /workspace
+         head -c 3000000 /dev/zero > fits && echo fits
+         rm fits
+         if head -c 8000000 /dev/zero > big 2>/tmp/err; then echo wrote; else echo refused; fi
+         grep -o 'No space left on device' /tmp/err
+         rm big
+         echo kept > after.txt && echo README gone && rm README
+         exit 7",
+    );
+    assert_eq!(o.code, 7, "{o:?}");
+    assert_eq!(
+        o.stdout_str(),
+        "fits\nrefused\nNo space left on device\nREADME gone\n",
+        "{o:?}"
+    );
+    assert_eq!(manifest(&bed.dir), before, "DIR was written");
+    let (copy, applied) = bed.apply_to_copy();
+    assert!(applied.status.success(), "{applied:?}");
+    assert_eq!(
+        std::fs::read_to_string(copy.join("after.txt")).unwrap(),
+        "kept\n"
+    );
+    assert!(!copy.join("README").exists() && !copy.join("big").exists());
+    let mut left: Vec<_> = std::fs::read_dir(&bed.base)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["changes.tar", "copy", "repo"]);
+}
+
 /// `-v HOST:GUEST` is read-only (EROFS in the guest, nothing on the host changes); `:rw` writes
 /// the host directory itself.
 #[test]

@@ -247,6 +247,11 @@ pub struct VmArgs {
     /// /workspace to FILE, a tar in OCI layer form (`amvm apply FILE DIR` applies it).
     #[arg(long, value_name = "FILE")]
     pub changes: Option<PathBuf>,
+    /// With `--workspace DIR:overlay`: cap what the workload may write to /workspace at SIZE
+    /// (`64m`, `1g`; ENOSPC past it). The upper layer then lives in memory, in a tmpfs of
+    /// that size held by amvm's supervising process, instead of in a scratch directory on disk.
+    #[arg(long, value_name = "SIZE")]
+    pub overlay_size: Option<String>,
     /// Host unix socket the workload may reach through the egress relay.
     #[arg(long, value_name = "SOCKET")]
     pub egress: Option<PathBuf>,
@@ -331,8 +336,16 @@ impl VmArgs {
         if self.changes.is_some() && !overlay {
             return Err(ConfigError::ChangesWithoutOverlay);
         }
+        if self.overlay_size.is_some() && !overlay {
+            return Err(ConfigError::SizeWithoutOverlay);
+        }
+        let size = self
+            .overlay_size
+            .as_deref()
+            .map(config::overlay_size)
+            .transpose()?;
         let overlay = match (&workspace, overlay) {
-            (Some(lower), true) => Some(config::overlay(lower, self.changes.as_deref())?),
+            (Some(lower), true) => Some(config::overlay(lower, self.changes.as_deref(), size)?),
             _ => None,
         };
         let (uid, gid) = config::parse_user(&self.user)?;
@@ -549,6 +562,57 @@ mod tests {
             .starts_with("--changes /nonexistent/c: its directory"));
         let c = parse(&["amvm", "run", "--workspace", "/tmp:overlay", "--", "true"]).unwrap();
         assert!(c.overlay.is_some() && c.spec.mounts[1].writable);
+        assert_eq!(c.overlay.unwrap().size, None);
+        let e = parse(&["amvm", "run", "--overlay-size", "8m", "--", "true"]).unwrap_err();
+        assert!(
+            e.starts_with("--overlay-size needs a writable workspace"),
+            "{e}"
+        );
+        let e = parse(&[
+            "amvm",
+            "run",
+            "--workspace",
+            "/tmp",
+            "--overlay-size",
+            "8m",
+            "--",
+            "true",
+        ]);
+        assert!(e.unwrap_err().starts_with("--overlay-size needs"));
+        let ov = |size: &str| {
+            parse(&[
+                "amvm",
+                "run",
+                "--workspace",
+                "/tmp:overlay",
+                "--overlay-size",
+                size,
+                "--",
+                "true",
+            ])
+            .map(|c| c.overlay.unwrap().size.unwrap())
+        };
+        assert_eq!(ov("8m"), Ok(8 << 20));
+        assert_eq!(ov("1G"), Ok(1 << 30));
+        assert_eq!(ov("64MiB"), Ok(64 << 20));
+        assert_eq!(ov("2048k"), Ok(2 << 20));
+        assert_eq!(ov("1048576"), Ok(1 << 20));
+        for (bad, why) in [
+            ("", "say a size"),
+            ("m", "say a size"),
+            ("1.5m", "the suffix"),
+            ("8x", "the suffix"),
+            ("8mm", "the suffix"),
+            ("1k", "at least 1m"),
+            ("99999999999999999999", "too large"),
+            ("99999999999g", "too large"),
+        ] {
+            let e = ov(bad).unwrap_err();
+            assert!(
+                e.starts_with(&format!("--overlay-size {bad:?}: {why}")),
+                "{bad}: {e}"
+            );
+        }
         let c = parse(&["amvm", "run", "--workspace", "/tmp", "--", "true"]).unwrap();
         assert!(c.overlay.is_none() && !c.spec.mounts[1].writable);
         assert_eq!(c.spec.cwd, b"/workspace");

@@ -51,6 +51,10 @@ pub enum ConfigError {
     HugePagesEnv(String),
     #[error("--changes needs a writable workspace: --workspace DIR:overlay")]
     ChangesWithoutOverlay,
+    #[error("--overlay-size needs a writable workspace: --workspace DIR:overlay")]
+    SizeWithoutOverlay,
+    #[error("--overlay-size {0:?}: {1}")]
+    OverlaySize(String, &'static str),
     #[error("--workspace {0}:overlay: {1}")]
     Overlay(PathBuf, String),
     #[error("--changes {0}: {1}")]
@@ -174,6 +178,33 @@ pub struct Overlay {
     /// The scratch directory (`upper/`, `work/`, `merged/`), once made (`amvm run` makes it,
     /// beside FILE or in the runtime directory, before the VM starts).
     pub scratch: Option<PathBuf>,
+    /// `--overlay-size`: the upper layer's cap in bytes (the scratch directory is then a tmpfs
+    /// of that size in the supervisor's own mount namespace: overlay.rs).
+    pub size: Option<u64>,
+}
+
+/// `--overlay-size SIZE`: bytes, or a number with a binary suffix `k`, `m`, `g` (either case,
+/// an optional `b` or `ib` after it: `64m`, `64MiB`), at least 1 MiB.
+pub fn overlay_size(arg: &str) -> Result<u64, ConfigError> {
+    let bad = |why| ConfigError::OverlaySize(arg.to_string(), why);
+    let lower = arg.trim().to_ascii_lowercase();
+    let digits = lower.bytes().take_while(u8::is_ascii_digit).count();
+    if digits == 0 {
+        return Err(bad("say a size such as 64m or 1g"));
+    }
+    let shift = match lower[digits..].trim_end_matches("ib").trim_end_matches('b') {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        _ => return Err(bad("the suffix is one of k, m, g")),
+    };
+    let n: u64 = lower[..digits].parse().map_err(|_| bad("too large"))?;
+    let bytes = n.checked_mul(1u64 << shift).ok_or(bad("too large"))?;
+    if bytes < 1 << 20 {
+        return Err(bad("at least 1m"));
+    }
+    Ok(bytes)
 }
 
 /// `--workspace` as given: `DIR`, or `DIR:overlay` (unless a directory of that whole name
@@ -189,7 +220,11 @@ pub fn workspace_arg(arg: &Path) -> Result<(PathBuf, bool), ConfigError> {
 
 /// Check an overlay's DIR and `--changes` FILE: overlayfs's option syntax cannot name a DIR
 /// with `,`, `:` or `\\`; FILE's directory must exist, and FILE must not be a directory.
-pub fn overlay(lower: &Path, changes: Option<&Path>) -> Result<Overlay, ConfigError> {
+pub fn overlay(
+    lower: &Path,
+    changes: Option<&Path>,
+    size: Option<u64>,
+) -> Result<Overlay, ConfigError> {
     use std::os::unix::ffi::OsStrExt;
     if lower
         .as_os_str()
@@ -224,6 +259,7 @@ pub fn overlay(lower: &Path, changes: Option<&Path>) -> Result<Overlay, ConfigEr
         lower: lower.to_owned(),
         changes,
         scratch: None,
+        size,
     })
 }
 

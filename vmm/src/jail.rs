@@ -26,7 +26,7 @@ pub const GUEST_IN_ROOT: &str = "/guest.sock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
-    #[error("cannot enter a new network and mount namespace: {0} (as root this needs CAP_SYS_ADMIN; inside a container, allow unshare, e.g. docker run --privileged or --security-opt seccomp=unconfined)")]
+    #[error("cannot enter a new mount namespace: {0} (as root this needs CAP_SYS_ADMIN; inside a container, allow unshare, e.g. docker run --privileged or --security-opt seccomp=unconfined)")]
     UnshareRoot(io::Error),
     #[error("cannot create a user namespace for amvm's isolation: {0} (unprivileged user namespaces are disabled here: set sysctl user.max_user_namespaces above 0, and on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0; or run amvm as root)")]
     UnshareUser(io::Error),
@@ -233,20 +233,26 @@ pub fn no_new_privs() -> Result<(), JailError> {
 /// Enter an empty network namespace and a private mount namespace. Must run while the process
 /// has one thread (a user namespace requires it).
 pub fn enter_namespaces() -> Result<(), JailError> {
+    unshare_as_self(libc::CLONE_NEWNET)
+}
+
+/// Enter a private mount namespace of its own (and, for a non-root user, the user namespace
+/// that lets it mount there, mapping exactly its own ids), plus the namespaces in `extra`.
+/// Nothing mounted in it afterwards propagates back to the host. Must run while the process
+/// has one thread (a user namespace requires it); may be called again, nesting.
+pub fn unshare_as_self(extra: libc::c_int) -> Result<(), JailError> {
     // SAFETY: geteuid cannot fail and takes no pointers.
     let uid = unsafe { libc::geteuid() };
     // SAFETY: as geteuid.
     let gid = unsafe { libc::getegid() };
     if uid == 0 {
         // SAFETY: unshare(2) with namespace flags only.
-        if unsafe { libc::unshare(libc::CLONE_NEWNET | libc::CLONE_NEWNS) } != 0 {
+        if unsafe { libc::unshare(extra | libc::CLONE_NEWNS) } != 0 {
             return Err(JailError::UnshareRoot(io::Error::last_os_error()));
         }
     } else {
         // SAFETY: as above.
-        if unsafe { libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNET | libc::CLONE_NEWNS) }
-            != 0
-        {
+        if unsafe { libc::unshare(libc::CLONE_NEWUSER | extra | libc::CLONE_NEWNS) } != 0 {
             return Err(JailError::UnshareUser(io::Error::last_os_error()));
         }
         // Map exactly our own ids: inside, amvm is who it was outside, and its supplementary

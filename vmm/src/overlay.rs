@@ -11,6 +11,13 @@
 //! supervisor, forks the VMM (which jails itself as in any run), waits for it, then writes the
 //! upper directory as a layer to `--changes FILE` (changes/layer.rs) and removes the scratch
 //! directory. Signals sent to the supervisor are passed to the VMM.
+//!
+//! `--overlay-size SIZE` caps the upper layer: the supervisor enters a private mount namespace
+//! of its own (jail::unshare_as_self) and mounts a tmpfs of SIZE on the scratch directory before
+//! it forks the VMM, which inherits it. A full upper layer then gives the guest's writes ENOSPC
+//! (overlayfs and virtiofsd pass the error on) and the run goes on. The layer lives in memory
+//! for as long as the supervisor does: it survives a guest crash or the VMM's death, not the
+//! supervisor's. Others reach it through `/proc/SUPERVISOR/root` (`amvm diff` of a sandbox).
 
 use crate::changes::layer::{write_layer, LayerError, LayerReport};
 use crate::config::Overlay;
@@ -30,6 +37,16 @@ pub enum OverlayError {
         scratch: PathBuf,
         error: io::Error,
     },
+    #[error("--overlay-size: {0}")]
+    CapNamespace(#[from] crate::jail::JailError),
+    #[error("--overlay-size: mounting a tmpfs of {size} bytes on {dir}: {error}")]
+    CapMount {
+        size: u64,
+        dir: PathBuf,
+        error: io::Error,
+    },
+    #[error("--overlay-size: this kernel's tmpfs holds no user extended attributes, which overlayfs needs for a user other than root ({0}): use Linux 6.6 or later, run amvm as root, or leave out --overlay-size")]
+    CapXattr(io::Error),
     #[error("starting the VMM process: {0}")]
     Fork(io::Error),
     #[error("writing the changes to {0}: {1} (the upper layer is kept in {2})")]
@@ -85,6 +102,12 @@ pub fn make_scratch(ov: &Overlay) -> Result<PathBuf, OverlayError> {
         .mode(0o700)
         .create(&scratch)
         .map_err(err)?;
+    if let Some(size) = ov.size {
+        if let Err(e) = cap(&scratch, size) {
+            let _ = std::fs::remove_dir(&scratch);
+            return Err(e);
+        }
+    }
     for part in ["upper", "work", "merged"] {
         std::fs::DirBuilder::new()
             .mode(0o700)
@@ -101,6 +124,64 @@ pub fn make_scratch(ov: &Overlay) -> Result<PathBuf, OverlayError> {
     std::fs::set_permissions(&up, std::fs::Permissions::from_mode(meta.mode() & 0o7777))
         .map_err(err)?;
     Ok(scratch)
+}
+
+/// `--overlay-size`: this process (the supervisor, single-threaded still) moves into a private
+/// mount namespace and mounts a tmpfs of `size` bytes, mode 0700, on the scratch directory.
+fn cap(scratch: &Path, size: u64) -> Result<(), OverlayError> {
+    crate::jail::unshare_as_self(0)?;
+    let err = |error| OverlayError::CapMount {
+        size,
+        dir: scratch.to_owned(),
+        error,
+    };
+    let target = CString::new(scratch.as_os_str().as_bytes())
+        .map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
+    let data = CString::new(format!("size={size},mode=0700"))
+        .map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
+    // SAFETY: mount(2) with NUL-terminated strings that outlive the call; checked.
+    let r = unsafe {
+        libc::mount(
+            c"tmpfs".as_ptr(),
+            target.as_ptr(),
+            c"tmpfs".as_ptr(),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            data.as_ptr().cast(),
+        )
+    };
+    if r != 0 {
+        return Err(err(io::Error::last_os_error()));
+    }
+    // A user other than root: overlayfs keeps its markers (opaque directories) in user.*
+    // extended attributes, which tmpfs holds only from Linux 6.6 on.
+    // SAFETY: geteuid cannot fail and takes no pointers.
+    if unsafe { libc::geteuid() } != 0 {
+        // SAFETY: setxattr(2) on a NUL-terminated path with a 1-byte value; checked.
+        let r = unsafe {
+            libc::setxattr(
+                target.as_ptr(),
+                c"user.amvm.probe".as_ptr(),
+                c"1".as_ptr().cast(),
+                1,
+                0,
+            )
+        };
+        if r != 0 {
+            return Err(OverlayError::CapXattr(io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// Where a sandbox's scratch directory is seen from another process: through its supervisor's
+/// root when the upper layer is a tmpfs in the supervisor's mount namespace (`--overlay-size`).
+pub fn scratch_seen_from_outside(scratch: &Path, capped: bool, supervisor: u32) -> PathBuf {
+    if capped {
+        Path::new(&format!("/proc/{supervisor}/root"))
+            .join(scratch.strip_prefix("/").unwrap_or(scratch))
+    } else {
+        scratch.to_owned()
+    }
 }
 
 fn is_overlayfs(dir: &Path) -> bool {
@@ -238,7 +319,7 @@ pub fn finish(ov: &Overlay, scratch: &Path) -> Result<Option<LayerReport>, Overl
             let mut tmp = file.as_os_str().to_owned();
             tmp.push(format!(".amvm-{}", std::process::id()));
             let tmp = PathBuf::from(tmp);
-            let written = (|| {
+            let written: Result<LayerReport, OverlayError> = (|| {
                 let out = std::fs::File::create(&tmp)
                     .map_err(|e| OverlayError::ChangesIo(file.clone(), e, keep()))?;
                 let (out, report) = write_layer(&upper(scratch), io::BufWriter::new(out))
@@ -266,6 +347,12 @@ pub fn finish(ov: &Overlay, scratch: &Path) -> Result<Option<LayerReport>, Overl
 /// each directory is opened up before its contents go.
 pub fn remove_scratch(scratch: &Path) {
     use std::os::unix::fs::PermissionsExt;
+    // An `--overlay-size` tmpfs, where this process is in the namespace that has it: detached
+    // (its memory freed) rather than emptied; elsewhere (EINVAL: not a mount point here) nothing.
+    if let Ok(c) = CString::new(scratch.as_os_str().as_bytes()) {
+        // SAFETY: umount2(2) of a NUL-terminated path; failure is harmless and ignored.
+        unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    }
     let mut stack = vec![scratch.to_owned()];
     while let Some(d) = stack.pop() {
         let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700));

@@ -178,6 +178,15 @@ fn changes_of(sb: &Sandbox) -> Result<(std::path::PathBuf, std::path::PathBuf), 
     else {
         return Err(SandboxError::NoOverlay(sb.shown().into()));
     };
+    let capped = info.config.overlay_size.is_some();
+    let running = matches!(info.state.as_str(), "running" | "stopping" | "starting");
+    if capped && !(running && super::is_ours(info.pid, info.pid_start)) {
+        return Err(SandboxError::Changes(format!(
+            "{} has ended, and with it its workspace changes: with --overlay-size they live in its supervisor's memory (take them with amvm diff or commit before amvm stop)",
+            sb.shown()
+        )));
+    }
+    let scratch = crate::overlay::scratch_seen_from_outside(&scratch, capped, info.pid);
     let tmp = sb.dir().join(format!("changes-{}.tar", std::process::id()));
     let written = std::fs::File::create(&tmp)
         .map_err(|e| SandboxError::Io(tmp.display().to_string(), e))

@@ -103,6 +103,10 @@ pub struct Config {
     pub overlay_lower: Option<PathBuf>,
     #[serde(default)]
     pub overlay_scratch: Option<PathBuf>,
+    /// `--overlay-size` in bytes: the scratch directory is then a tmpfs in the supervisor's own
+    /// mount namespace, seen by others through `/proc/PID/root` (overlay.rs).
+    #[serde(default)]
+    pub overlay_size: Option<u64>,
     /// Stopped once no exec has run for this long (`--idle-timeout`).
     #[serde(default)]
     pub idle_timeout_seconds: Option<u64>,
@@ -328,9 +332,9 @@ fn remove_dir_and_name(id: &str, dir: &Path, name: Option<&str>) -> Result<(), S
     std::fs::remove_dir_all(dir).map_err(io_err(dir.display()))
 }
 
-/// Whether `pid` is still the process this sandbox started (its environment names `dir`), not
-/// an unrelated one that reused the number.
-fn is_ours(pid: u32, start: u64) -> bool {
+/// Whether `pid` is still the process this sandbox started (it started when the sandbox
+/// recorded), not an unrelated one that reused the number.
+pub(crate) fn is_ours(pid: u32, start: u64) -> bool {
     pid != 0 && start != 0 && start_time(pid) == Some(start)
 }
 
