@@ -621,6 +621,75 @@ fn an_overlay_workspace_keeps_writes_in_the_sandbox_until_diff_and_commit() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
+/// `create --overlay-size`: the cap holds across execs (ENOSPC, and the sandbox serves on), diff
+/// reads the capped layer inside the supervisor's namespace while it runs, and says plainly
+/// that the changes are gone once it has stopped.
+#[test]
+fn an_overlay_size_caps_a_sandboxs_workspace_and_diff_reads_it_while_it_runs() {
+    let w = World::new("overlay-size");
+    let base = PathBuf::from("/dev/shm").join(format!("amvm-sessions-cap-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let ws = base.join("repo");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("README"), "old\n").unwrap();
+    let chown = Command::new("chown")
+        .args(["-R", "1000:1000"])
+        .arg(&ws)
+        .status()
+        .unwrap();
+    assert!(chown.success());
+    let before = tree(&ws);
+    let id = w.create(&[
+        "--workspace",
+        &format!("{}:overlay", ws.display()),
+        "--overlay-size",
+        "4m",
+    ]);
+    let out = w.exec(
+        &id,
+        &["sh", "-c", "head -c 8000000 /dev/zero > /workspace/big"],
+    );
+    assert_eq!(out.code, 1, "{out:?}");
+    assert!(out.stderr.contains("No space left on device"), "{out:?}");
+    let out = w.exec(
+        &id,
+        &[
+            "sh",
+            "-c",
+            "rm /workspace/big && echo new > /workspace/README",
+        ],
+    );
+    assert_eq!(out.code, 0, "the sandbox serves on: {out:?}");
+    let diff = w.amvm(&["diff", &id]);
+    assert_eq!(diff.code, 0, "{}", diff.stderr);
+    let text = diff.stdout_str();
+    assert!(text.contains("-old\n") && text.contains("+new\n"), "{text}");
+    assert!(!text.contains("big"), "{text}");
+    assert_eq!(tree(&ws), before, "the workspace itself is untouched");
+
+    let scratch = PathBuf::from(
+        w.inspect(&id)["config"]["overlay_scratch"]
+            .as_str()
+            .unwrap(),
+    );
+    // From here the layer is a tmpfs in the supervisor's namespace only: an empty directory.
+    assert_eq!(std::fs::read_dir(&scratch).unwrap().count(), 0);
+    let out = w.amvm(&["stop", "--time", "1", &id]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let out = w.amvm(&["diff", &id]);
+    assert_eq!(out.code, 125, "{out:?}");
+    assert!(
+        one_line(&out).contains("has ended, and with it its workspace changes"),
+        "{}",
+        out.stderr
+    );
+    let out = w.amvm(&["rm", &id]);
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(!scratch.exists(), "{} left behind", scratch.display());
+    no_process_with(ws.to_str().unwrap());
+    let _ = std::fs::remove_dir_all(&base);
+}
+
 #[test]
 fn bad_input_gets_one_line_and_changes_nothing() {
     let w = World::new("bad");
@@ -737,6 +806,100 @@ fn the_api_works_from_python_http_client() {
         v["error"].as_str().unwrap().contains("argv is empty"),
         "{v}"
     );
+
+    // Archives, Docker's put_archive and get_archive: a tree with modes, a symlink and a file
+    // larger than any JSON body (4 MiB) goes in through Python and comes back byte-exact.
+    use std::os::unix::fs::PermissionsExt;
+    let src = w.xdg.join("arch");
+    std::fs::create_dir_all(src.join("tree/sub")).unwrap();
+    std::fs::write(src.join("tree/run.sh"), "#!/bin/sh\necho ran\n").unwrap();
+    std::fs::set_permissions(
+        src.join("tree/run.sh"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    let big: Vec<u8> = (0..5_000_000u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 24) as u8)
+        .collect();
+    std::fs::write(src.join("tree/sub/big.bin"), &big).unwrap();
+    std::os::unix::fs::symlink("sub/big.bin", src.join("tree/link")).unwrap();
+    let tar_in = w.xdg.join("in.tar");
+    let packed = Command::new("tar")
+        .arg("-cf")
+        .arg(&tar_in)
+        .arg("-C")
+        .arg(&src)
+        .arg("tree")
+        .status()
+        .unwrap();
+    assert!(packed.success());
+    let api = |args: &[&str], stdin: Stdio| {
+        let out = Command::new("python3")
+            .arg(&script)
+            .arg(&sock)
+            .args(args)
+            .stdin(stdin)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            out.stdout,
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, _, err) = api(
+        &["put-archive", "/tmp"],
+        Stdio::from(std::fs::File::open(&tar_in).unwrap()),
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let out = w.exec(
+        &id,
+        &[
+            "sh",
+            "-c",
+            "stat -c '%a %s' /tmp/tree/run.sh /tmp/tree/sub/big.bin; readlink /tmp/tree/link",
+        ],
+    );
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "755 19\n644 5000000\nsub/big.bin\n"),
+        "{}",
+        out.stderr
+    );
+    let (code, tar_out, err) = api(&["get-archive", "/tmp/tree"], Stdio::null());
+    assert_eq!(code, Some(0), "{err}");
+    let back = w.xdg.join("back");
+    std::fs::create_dir_all(&back).unwrap();
+    let mut untar = Command::new("tar")
+        .arg("-xf")
+        .arg("-")
+        .arg("-C")
+        .arg(&back)
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    untar.stdin.take().unwrap().write_all(&tar_out).unwrap();
+    assert!(untar.wait().unwrap().success());
+    assert_eq!(listing(&back.join("tree")), listing(&src.join("tree")));
+    // What is not there is a 404 with the reason; a relative path a 400.
+    for (args, want) in [
+        (
+            ["get-archive", "/nonexistent"],
+            "404: /nonexistent: no such file or directory",
+        ),
+        (
+            ["put-archive", "/nonexistent"],
+            "404: /nonexistent: no such directory",
+        ),
+        (
+            ["get-archive", "tmp"],
+            "400: path \"tmp\": a path in the sandbox must be absolute",
+        ),
+    ] {
+        let (code, _, err) = api(&args, Stdio::from(std::fs::File::open(&tar_in).unwrap()));
+        assert_eq!(code, Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
 }
 
 /// `find`-style listing of a tree: path, type, mode, and a symlink's target or a file's bytes.

@@ -4,6 +4,8 @@
     amvm_api.py SOCKET info
     amvm_api.py SOCKET exec [--stdin] ARG...    (stdin forwarded with --stdin; exits with the
                                                 command's status)
+    amvm_api.py SOCKET put-archive DIR          (a tar on stdin, unpacked into DIR in the sandbox)
+    amvm_api.py SOCKET get-archive PATH         (PATH in the sandbox, as a tar on stdout)
 
 Frames (after `101 Switching Protocols`): kind (1 byte), length (u32 little-endian), payload.
 From the sandbox: 1 stdout, 2 stderr, 3 exit (1 byte). To it: 32 stdin, 33 end of stdin,
@@ -12,10 +14,12 @@ From the sandbox: 1 stdout, 2 stderr, 3 exit (1 byte). To it: 32 stdin, 33 end o
 
 import http.client
 import json
+import os
 import socket
 import struct
 import sys
 import threading
+import urllib.parse
 
 
 class UnixConnection(http.client.HTTPConnection):
@@ -89,6 +93,36 @@ def exec_(path, argv, with_stdin):
             sys.exit(payload[0])
 
 
+def put_archive(path, guest_dir):
+    # http.client sends a file body with the Content-Length it is given, in blocks.
+    body = sys.stdin.buffer
+    size = os.fstat(body.fileno()).st_size
+    c = UnixConnection(path)
+    c.request("PUT", "/v1/archive?" + urllib.parse.urlencode({"path": guest_dir}), body=body,
+              headers={"Content-Length": str(size), "Content-Type": "application/x-tar"})
+    r = c.getresponse()
+    answer = json.loads(r.read())
+    if r.status != 200:
+        sys.exit(f"amvm_api: {r.status}: {answer['error']}")
+
+
+def get_archive(path, guest_path):
+    c = UnixConnection(path)
+    c.request("GET", "/v1/archive?" + urllib.parse.urlencode({"path": guest_path}))
+    r = c.getresponse()
+    if r.status != 200:
+        sys.exit(f"amvm_api: {r.status}: {json.loads(r.read())['error']}")
+    try:
+        while True:
+            data = r.read(65536)
+            if not data:
+                break
+            sys.stdout.buffer.write(data)
+    except http.client.IncompleteRead:
+        sys.exit("amvm_api: the archive was cut short")
+    sys.stdout.buffer.flush()
+
+
 def main():
     if len(sys.argv) < 3:
         sys.exit(__doc__)
@@ -99,6 +133,10 @@ def main():
         args = sys.argv[3:]
         with_stdin = bool(args) and args[0] == "--stdin"
         exec_(path, args[1:] if with_stdin else args, with_stdin)
+    elif what == "put-archive" and len(sys.argv) == 4:
+        put_archive(path, sys.argv[3])
+    elif what == "get-archive" and len(sys.argv) == 4:
+        get_archive(path, sys.argv[3])
     else:
         sys.exit(__doc__)
 

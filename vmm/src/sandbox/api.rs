@@ -86,16 +86,94 @@ impl Head {
 
     /// The body's length: `Content-Length`, 0 without it; an error past [`MAX_BODY`].
     pub fn content_length(&self) -> Result<usize, String> {
+        match self.declared_length()? {
+            n if n <= MAX_BODY as u64 => Ok(n as usize),
+            n => Err(format!("a body of {n} bytes (at most {MAX_BODY})")),
+        }
+    }
+
+    /// `Content-Length` whatever its size (a body the server streams), 0 without it; a
+    /// chunked body is refused (the server reads none).
+    pub fn declared_length(&self) -> Result<u64, String> {
+        if self.header("transfer-encoding").is_some() {
+            return Err("a chunked request body: send Content-Length".into());
+        }
         match self.header("content-length") {
             None => Ok(0),
-            Some(v) => match v.trim().parse::<usize>() {
-                Ok(n) if n <= MAX_BODY => Ok(n),
-                Ok(n) => Err(format!("a body of {n} bytes (at most {MAX_BODY})")),
-                Err(_) => Err(format!("Content-Length {v:?}")),
-            },
+            Some(v) => v
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| format!("Content-Length {v:?}")),
         }
     }
 }
+
+/// A request's query: its `key=value` pairs, decoded, in order.
+pub type Query = Vec<(String, String)>;
+
+/// A request target split into its path and its query's `key=value` pairs, percent-decoded
+/// (`+` is a space); an error for a bad escape or a value that is not UTF-8.
+pub fn split_target(target: &str) -> Result<(&str, Query), String> {
+    let Some((path, query)) = target.split_once('?') else {
+        return Ok((target, Vec::new()));
+    };
+    let decode = |s: &str| -> Result<String, String> {
+        let b = s.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            match b[i] {
+                b'%' => {
+                    let hex = b
+                        .get(i + 1..i + 3)
+                        .and_then(|h| std::str::from_utf8(h).ok())
+                        .and_then(|h| u8::from_str_radix(h, 16).ok())
+                        .ok_or_else(|| format!("a bad %-escape in the query {query:?}"))?;
+                    out.push(hex);
+                    i += 3;
+                }
+                b'+' => {
+                    out.push(b' ');
+                    i += 1;
+                }
+                c => {
+                    out.push(c);
+                    i += 1;
+                }
+            }
+        }
+        String::from_utf8(out).map_err(|_| format!("the query {query:?} is not UTF-8"))
+    };
+    let pairs = query
+        .split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            Ok((decode(k)?, decode(v)?))
+        })
+        .collect::<Result<_, String>>()?;
+    Ok((path, pairs))
+}
+
+/// A response head whose body follows in chunks (`Transfer-Encoding: chunked`): a body whose
+/// length is not known up front, and whose truncation the client can tell (no last chunk).
+pub fn chunked_head(code: u16, content_type: &str) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {code} {}\r\nContent-Type: {content_type}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n",
+        reason(code)
+    )
+    .into_bytes()
+}
+
+/// One chunk of a chunked body (`data` not empty: the empty chunk ends the body, [`LAST_CHUNK`]).
+pub fn chunk(data: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// The end of a chunked body.
+pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 
 /// Where a head ends in `buf` (the index just past its blank line), if it is all there.
 pub fn head_end(buf: &[u8]) -> Option<usize> {
@@ -154,6 +232,40 @@ pub fn response(code: u16, body: &[u8]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn targets_split_into_path_and_decoded_query() {
+        assert_eq!(split_target("/v1/archive"), Ok(("/v1/archive", vec![])));
+        assert_eq!(
+            split_target("/v1/archive?path=%2Ftmp%2Fa%20b&x=1+2&flag"),
+            Ok((
+                "/v1/archive",
+                vec![
+                    ("path".into(), "/tmp/a b".into()),
+                    ("x".into(), "1 2".into()),
+                    ("flag".into(), String::new())
+                ]
+            ))
+        );
+        assert_eq!(
+            split_target("/a?p=%C3%A9"),
+            Ok(("/a", vec![("p".into(), "é".into())]))
+        );
+        for bad in ["/a?p=%", "/a?p=%2", "/a?p=%zz", "/a?p=%ff"] {
+            assert!(split_target(bad).is_err(), "{bad}");
+        }
+        let mut out = Vec::new();
+        chunk(b"hello, chunks", &mut out);
+        assert_eq!(out, b"d\r\nhello, chunks\r\n");
+        let h = parse_head(b"PUT /v1/archive HTTP/1.1\r\nContent-Length: 99999999999\r\n").unwrap();
+        assert_eq!(h.declared_length(), Ok(99_999_999_999));
+        assert!(h.content_length().is_err());
+        let h = parse_head(b"PUT / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n").unwrap();
+        assert!(h
+            .declared_length()
+            .unwrap_err()
+            .contains("send Content-Length"));
+    }
 
     #[test]
     fn heads_parse_and_bad_ones_are_refused() {

@@ -28,23 +28,29 @@ tmp=$(mktemp -d "$parent/.amvm-cp.XXXXXX") || exit 1
 tar -x -f - -C "$tmp" && mv -T -- "$tmp/$name" "$dst"; rc=$?
 rm -rf -- "$tmp"; exit $rc"#;
 
-/// Pack $1 (its basename, from its directory) to stdout.
-const PACK: &str = r#"cd -- "$(dirname -- "$1")" && exec tar -c -f - -- "$(basename -- "$1")""#;
+/// Pack $1 (its basename, from its directory) to stdout; status 44 when $1 is not there. Also
+/// the API's `GET /v1/archive`.
+pub(crate) const PACK: &str = r#"[ -e "$1" ] || [ -L "$1" ] || { echo "$1: no such file or directory" >&2; exit 44; }
+cd -- "$(dirname -- "$1")" && exec tar -c -f - -- "$(basename -- "$1")""#;
 
 fn cp_err(what: impl std::fmt::Display) -> SandboxError {
     SandboxError::Copy(what.to_string())
 }
 
 fn guest_path(p: &str) -> Result<&str, SandboxError> {
+    check_guest_path(p).map_err(|e| cp_err(format!("{p}: {e}")))?;
+    Ok(p)
+}
+
+/// A path in the sandbox, as `cp` and the API's archives take it: absolute, without `..`.
+pub(crate) fn check_guest_path(p: &str) -> Result<(), &'static str> {
     if !p.starts_with('/') {
-        return Err(cp_err(format!(
-            "{p}: a path in the sandbox must be absolute"
-        )));
+        return Err("a path in the sandbox must be absolute");
     }
     if p.split('/').any(|c| c == "..") {
-        return Err(cp_err(format!("{p}: a `..` component")));
+        return Err("a `..` component");
     }
-    Ok(p)
+    Ok(())
 }
 
 impl Sandbox {

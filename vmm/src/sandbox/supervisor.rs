@@ -17,6 +17,8 @@
 //! why not (then it removes the directory and fails with the reason).
 
 use super::api::{self, ExecRequest, StopRequest, EXEC_UPGRADE};
+
+mod archive;
 use super::{io_err, now, write_state, Config, Info, SandboxError};
 use crate::cli::CreateArgs;
 use crate::config::RunConfig;
@@ -68,6 +70,7 @@ pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
         timeout_seconds: args.vm.timeout,
         overlay_lower: None,
         overlay_scratch: None,
+        overlay_size: None,
         idle_timeout_seconds: args.idle_timeout,
         user: args.vm.user.clone(),
         workdir: String::new(),
@@ -101,6 +104,7 @@ pub fn create_from(
                 ov.scratch = Some(s.clone());
                 config.overlay_lower = Some(ov.lower.clone());
                 config.overlay_scratch = Some(s);
+                config.overlay_size = ov.size;
             }
             Err(e) => {
                 let _ = super::remove_dir_and_name(&id, &dir, name.as_deref());
@@ -644,6 +648,34 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
         Ok(h) => h,
         Err(e) => return reply_error(&mut conn, 400, &e).await,
     };
+    let method = head.first.0.as_str();
+    let (path, query) = match api::split_target(&head.first.1) {
+        Ok(t) => t,
+        Err(e) => return reply_error(&mut conn, 400, &e).await,
+    };
+    if path == "/v1/archive" {
+        // Its body (a tar of any size) is streamed, not read here.
+        let rest = buf.split_off(end);
+        return match method {
+            "PUT" => match head.declared_length() {
+                Ok(len) => {
+                    // curl asks before a large body; the body is wanted whatever it holds.
+                    if head
+                        .header("expect")
+                        .is_some_and(|e| e.eq_ignore_ascii_case("100-continue"))
+                    {
+                        conn.write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+                            .await
+                            .map_err(|e| e.to_string())?;
+                    }
+                    archive::put(sup, conn, &query, len, rest).await
+                }
+                Err(e) => reply_error(&mut conn, 400, &e).await,
+            },
+            "GET" => archive::get(sup, conn, &query).await,
+            _ => reply_error(&mut conn, 405, &format!("{method} {path}: wrong method")).await,
+        };
+    }
     let len = match head.content_length() {
         Ok(n) => n,
         Err(e) => return reply_error(&mut conn, 413, &e).await,
@@ -659,7 +691,6 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
     }
     let leftover = rest.split_off(len);
     let body = rest;
-    let (method, path) = (head.first.0.as_str(), head.first.1.as_str());
     match (method, path) {
         ("GET", "/v1/sandbox") => reply_json(&mut conn, 200, &sup.snapshot()).await,
         ("GET", "/v1/wait") => {
@@ -798,16 +829,33 @@ async fn exec(
     req: ExecRequest,
     leftover: Vec<u8>,
 ) -> Result<(), String> {
+    let (id, guest) = match start_exec(sup, &req).await {
+        Ok(started) => started,
+        Err((code, msg)) => return reply_error(&mut conn, code, &msg).await,
+    };
+    let head = format!(
+        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: {EXEC_UPGRADE}\r\nConnection: Upgrade\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes())
+        .await
+        .map_err(|e| e.to_string())?;
+    let _busy = Busy::new(sup);
+    relay(sup, id, conn, guest, leftover).await;
+    Ok(())
+}
+
+/// Start `req` in the guest: its id and its stream, once attached; else the status code and
+/// error to answer with.
+async fn start_exec(sup: &Arc<Sup>, req: &ExecRequest) -> Result<(u64, UnixStream), (u16, String)> {
     let info = sup.snapshot();
     if info.state != "running" {
-        let msg = format!("sandbox {} is not running ({})", info.id, info.state);
-        return reply_error(&mut conn, 409, &msg).await;
+        return Err((
+            409,
+            format!("sandbox {} is not running ({})", info.id, info.state),
+        ));
     }
     let id = sup.next_id.fetch_add(1, Ordering::SeqCst);
-    let spec = match exec_spec(sup, id, &req) {
-        Ok(s) => s,
-        Err(e) => return reply_error(&mut conn, 400, &e).await,
-    };
+    let spec = exec_spec(sup, id, req).map_err(|e| (400, e))?;
     let (tx, rx) = oneshot::channel();
     lock(&sup.pending).insert(id, tx);
     sup.update(|i| i.execs += 1);
@@ -817,21 +865,31 @@ async fn exec(
         g = tokio::time::timeout(ATTACH_TIMEOUT, rx) => g.ok().and_then(Result::ok),
         _ = ended.wait_for(|e| *e) => None,
     };
-    let Some(guest) = guest else {
-        lock(&sup.pending).remove(&id);
-        return reply_error(&mut conn, 500, "the sandbox did not start the command").await;
-    };
-    let head = format!(
-        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: {EXEC_UPGRADE}\r\nConnection: Upgrade\r\n\r\n"
-    );
-    conn.write_all(head.as_bytes())
-        .await
-        .map_err(|e| e.to_string())?;
-    sup.active_execs.fetch_add(1, Ordering::SeqCst);
-    relay(sup, id, conn, guest, leftover).await;
-    *lock(&sup.last_active) = std::time::Instant::now();
-    sup.active_execs.fetch_sub(1, Ordering::SeqCst);
-    Ok(())
+    match guest {
+        Some(g) => Ok((id, g)),
+        None => {
+            lock(&sup.pending).remove(&id);
+            Err((500, "the sandbox did not start the command".into()))
+        }
+    }
+}
+
+/// An exec (or archive transfer) in progress, for `--idle-timeout`: the sandbox is not idle
+/// while one lives, and its end counts as the last activity.
+struct Busy<'a>(&'a Sup);
+
+impl<'a> Busy<'a> {
+    fn new(sup: &'a Sup) -> Busy<'a> {
+        sup.active_execs.fetch_add(1, Ordering::SeqCst);
+        Busy(sup)
+    }
+}
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.last_active) = std::time::Instant::now();
+        self.0.active_execs.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Move one exec's frames: the guest's output to the client (validated, re-encoded), the
