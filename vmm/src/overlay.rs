@@ -135,27 +135,13 @@ fn cap(scratch: &Path, size: u64) -> Result<(), OverlayError> {
         dir: scratch.to_owned(),
         error,
     };
-    let target = CString::new(scratch.as_os_str().as_bytes())
-        .map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
-    let data = CString::new(format!("size={size},mode=0700"))
-        .map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
-    // SAFETY: mount(2) with NUL-terminated strings that outlive the call; checked.
-    let r = unsafe {
-        libc::mount(
-            c"tmpfs".as_ptr(),
-            target.as_ptr(),
-            c"tmpfs".as_ptr(),
-            libc::MS_NOSUID | libc::MS_NODEV,
-            data.as_ptr().cast(),
-        )
-    };
-    if r != 0 {
-        return Err(err(io::Error::last_os_error()));
-    }
+    mount_nosuid(c"tmpfs", scratch, &format!("size={size},mode=0700")).map_err(err)?;
     // A user other than root: overlayfs keeps its markers (opaque directories) in user.*
     // extended attributes, which tmpfs holds only from Linux 6.6 on.
     // SAFETY: geteuid cannot fail and takes no pointers.
     if unsafe { libc::geteuid() } != 0 {
+        let target = CString::new(scratch.as_os_str().as_bytes())
+            .map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
         // SAFETY: setxattr(2) on a NUL-terminated path with a 1-byte value; checked.
         let r = unsafe {
             libc::setxattr(
@@ -216,21 +202,27 @@ pub fn mount(ov: &Overlay, scratch: &Path) -> Result<(), OverlayError> {
         scratch: scratch.to_owned(),
         error,
     };
-    let target = CString::new(merged(scratch).as_os_str().as_bytes())
-        .map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
-    let data = CString::new(opts).map_err(|_| err(io::ErrorKind::InvalidInput.into()))?;
+    mount_nosuid(c"overlay", &merged(scratch), &opts).map_err(err)
+}
+
+/// mount(2) of a filesystem of type `fs` (also its source name) on `target`, nosuid and nodev,
+/// with the options `data`.
+fn mount_nosuid(fs: &std::ffi::CStr, target: &Path, data: &str) -> io::Result<()> {
+    let target = CString::new(target.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let data = CString::new(data).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: mount(2) with NUL-terminated strings that outlive the call; checked.
     let r = unsafe {
         libc::mount(
-            c"overlay".as_ptr(),
+            fs.as_ptr(),
             target.as_ptr(),
-            c"overlay".as_ptr(),
+            fs.as_ptr(),
             libc::MS_NOSUID | libc::MS_NODEV,
             data.as_ptr().cast(),
         )
     };
     if r != 0 {
-        return Err(err(io::Error::last_os_error()));
+        return Err(io::Error::last_os_error());
     }
     Ok(())
 }

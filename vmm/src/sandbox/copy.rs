@@ -42,6 +42,28 @@ fn guest_path(p: &str) -> Result<&str, SandboxError> {
     Ok(p)
 }
 
+/// An exec of `sh -c SCRIPT` with `args` as $1..., from /, as the sandbox's user: how `cp` and
+/// the API's archives run the guest's `tar`.
+pub(crate) fn script_exec(script: &str, args: &[&str], stdin: bool) -> ExecRequest {
+    let mut argv = vec![
+        "sh".to_string(),
+        "-c".into(),
+        script.into(),
+        "amvm-cp".into(),
+    ];
+    argv.extend(args.iter().map(|a| a.to_string()));
+    ExecRequest {
+        argv,
+        env: vec![],
+        workdir: Some("/".into()),
+        user: None,
+        stdin,
+        tty: None,
+        clear_env: false,
+        capabilities: None,
+    }
+}
+
 /// A path in the sandbox, as `cp` and the API's archives take it: absolute, without `..`.
 pub(crate) fn check_guest_path(p: &str) -> Result<(), &'static str> {
     if !p.starts_with('/') {
@@ -60,23 +82,7 @@ impl Sandbox {
         args: &[&str],
         stdin: bool,
     ) -> Result<super::client::ExecStream, SandboxError> {
-        let mut argv = vec![
-            "sh".to_string(),
-            "-c".into(),
-            script.into(),
-            "amvm-cp".into(),
-        ];
-        argv.extend(args.iter().map(|a| a.to_string()));
-        self.exec(&ExecRequest {
-            argv,
-            env: vec![],
-            workdir: Some("/".into()),
-            user: None,
-            stdin,
-            tty: None,
-            clear_env: false,
-            capabilities: None,
-        })
+        self.exec(&script_exec(script, args, stdin))
     }
 
     /// Copy host file or tree `src` to `dest` in the sandbox (`src` `None`: a tar from

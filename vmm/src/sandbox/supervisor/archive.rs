@@ -8,8 +8,8 @@
 //! What the guest sends out is the guest's: a client unpacks it as untrusted (`amvm cp` does).
 
 use super::{reply_error, reply_json, start_exec, Busy, Sup};
-use crate::sandbox::api::{self, ExecRequest};
-use crate::sandbox::copy::{check_guest_path, PACK};
+use crate::sandbox::api;
+use crate::sandbox::copy::{check_guest_path, script_exec, PACK};
 use guest_init::protocol::{exec_signal_payload, Direction, Frame, FrameKind, FrameParser};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -35,21 +35,6 @@ fn path_param(query: &[(String, String)]) -> Result<&str, String> {
     Ok(p)
 }
 
-fn tar_exec(script: &str, path: &str, stdin: bool) -> ExecRequest {
-    ExecRequest {
-        argv: ["sh", "-c", script, "amvm-archive", path]
-            .map(String::from)
-            .to_vec(),
-        env: vec![],
-        workdir: Some("/".into()),
-        user: None,
-        stdin,
-        tty: None,
-        clear_env: false,
-        capabilities: None,
-    }
-}
-
 /// What tar said and how it ended, for the answer when it failed.
 fn failure(exit: Option<u8>, stderr: &[u8]) -> (u16, String) {
     let said = String::from_utf8_lossy(stderr).trim().to_string();
@@ -73,7 +58,7 @@ pub(super) async fn put(
         Ok(d) => d.to_string(),
         Err(e) => return reply_error(&mut conn, 400, &e).await,
     };
-    let (id, guest) = match start_exec(sup, &tar_exec(UNPACK_INTO, &dir, true)).await {
+    let (id, guest) = match start_exec(sup, &script_exec(UNPACK_INTO, &[&dir], true)).await {
         Ok(started) => started,
         Err((code, msg)) => return reply_error(&mut conn, code, &msg).await,
     };
@@ -166,7 +151,7 @@ pub(super) async fn get(
         Ok(p) => p.to_string(),
         Err(e) => return reply_error(&mut conn, 400, &e).await,
     };
-    let (id, mut guest) = match start_exec(sup, &tar_exec(PACK, &path, false)).await {
+    let (id, mut guest) = match start_exec(sup, &script_exec(PACK, &[&path], false)).await {
         Ok(started) => started,
         Err((code, msg)) => return reply_error(&mut conn, code, &msg).await,
     };
