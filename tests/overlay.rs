@@ -107,6 +107,18 @@ impl Bed {
     }
 }
 
+impl Bed {
+    /// What is in the bed's directory (the overlay's scratch directory must not be).
+    fn left(&self) -> Vec<String> {
+        let mut left: Vec<_> = std::fs::read_dir(&self.base)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        left
+    }
+}
+
 impl Drop for Bed {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.base);
@@ -148,12 +160,7 @@ fn an_agent_edits_the_workspace_and_its_changes_reproduce_what_it_saw() {
         "the applied changes differ from the guest's view"
     );
     // Nothing of the overlay is left beside the changes.
-    let mut left: Vec<_> = std::fs::read_dir(&bed.base)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    left.sort();
-    assert_eq!(left, ["changes.tar", "copy", "repo"]);
+    assert_eq!(bed.left(), ["changes.tar", "copy", "repo"]);
 }
 
 #[test]
@@ -226,12 +233,7 @@ fn a_full_overlay_size_gives_the_workload_enospc_and_the_run_goes_on() {
         "kept\n"
     );
     assert!(!copy.join("README").exists() && !copy.join("big").exists());
-    let mut left: Vec<_> = std::fs::read_dir(&bed.base)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    left.sort();
-    assert_eq!(left, ["changes.tar", "copy", "repo"]);
+    assert_eq!(bed.left(), ["changes.tar", "copy", "repo"]);
 }
 
 /// `-v HOST:GUEST` is read-only (EROFS in the guest, nothing on the host changes); `:rw` writes

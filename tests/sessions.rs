@@ -512,24 +512,40 @@ fn tree(dir: &Path) -> Vec<(String, String)> {
     all
 }
 
-#[test]
-fn an_overlay_workspace_keeps_writes_in_the_sandbox_until_diff_and_commit() {
-    let w = World::new("overlay");
-    // The host side of the overlay must not be on an overlayfs (the test bed's /tmp is one).
-    let base = PathBuf::from("/dev/shm").join(format!("amvm-sessions-ws-{}", std::process::id()));
+/// A workspace for an overlay: `base/repo` holding `files`, owned by the workload's user (uid
+/// 1000) as a user's checkout is; `base` is in /dev/shm, because the host side of an overlay
+/// must not be on an overlayfs (the test bed's /tmp is one).
+fn workspace(name: &str, files: &[(&str, &str)]) -> (PathBuf, PathBuf) {
+    let base =
+        PathBuf::from("/dev/shm").join(format!("amvm-sessions-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&base);
     let ws = base.join("repo");
-    std::fs::create_dir_all(ws.join("src")).unwrap();
-    std::fs::write(ws.join("README"), "old\n").unwrap();
-    std::fs::write(ws.join("gone.txt"), "delete me\n").unwrap();
-    std::fs::write(ws.join("src/a.rs"), "fn a() {}\n").unwrap();
-    // Owned by the workload's user (uid 1000), as a user's checkout is.
+    std::fs::create_dir_all(&ws).unwrap();
+    for (path, text) in files {
+        let p = ws.join(path);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    }
     let chown = Command::new("chown")
         .args(["-R", "1000:1000"])
         .arg(&ws)
         .status()
         .unwrap();
     assert!(chown.success());
+    (base, ws)
+}
+
+#[test]
+fn an_overlay_workspace_keeps_writes_in_the_sandbox_until_diff_and_commit() {
+    let w = World::new("overlay");
+    let (base, ws) = workspace(
+        "ws",
+        &[
+            ("README", "old\n"),
+            ("gone.txt", "delete me\n"),
+            ("src/a.rs", "fn a() {}\n"),
+        ],
+    );
     let before = tree(&ws);
     let id = w.create(&["--workspace", &format!("{}:overlay", ws.display())]);
 
@@ -627,17 +643,7 @@ fn an_overlay_workspace_keeps_writes_in_the_sandbox_until_diff_and_commit() {
 #[test]
 fn an_overlay_size_caps_a_sandboxs_workspace_and_diff_reads_it_while_it_runs() {
     let w = World::new("overlay-size");
-    let base = PathBuf::from("/dev/shm").join(format!("amvm-sessions-cap-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&base);
-    let ws = base.join("repo");
-    std::fs::create_dir_all(&ws).unwrap();
-    std::fs::write(ws.join("README"), "old\n").unwrap();
-    let chown = Command::new("chown")
-        .args(["-R", "1000:1000"])
-        .arg(&ws)
-        .status()
-        .unwrap();
-    assert!(chown.success());
+    let (base, ws) = workspace("cap", &[("README", "old\n")]);
     let before = tree(&ws);
     let id = w.create(&[
         "--workspace",
