@@ -1153,3 +1153,107 @@ fn exec_t_gives_a_real_terminal_its_size_and_its_resizes() {
     let out = w.exec(&id, &["sh", "-c", "tty; true"]);
     assert_eq!(out.stdout_str(), "not a tty\n");
 }
+
+/// `amvm run -t` is a sandbox made for one exec: a real terminal of the caller's size, what is
+/// typed, the exit status, an overlay workspace's `--changes` written, and no sandbox left
+/// behind. With `--timeout` it is 124, as any run.
+#[test]
+fn run_t_gives_a_terminal_writes_its_changes_and_leaves_no_sandbox() {
+    let w = World::new("run-tty");
+    let (base, ws) = workspace("run-tty", &[("README", "old\n")]);
+    let changes = base.join("changes.tar");
+    let helper = Path::new(env!("CARGO_MANIFEST_DIR")).join("standin/pty_run.py");
+    let script = "tty; stty size; echo READY; read line; echo $line > /workspace/typed; \
+                  echo got:$line; exit 6";
+    let out = Command::new("python3")
+        .arg(&helper)
+        .args(["--after", "READY", "--type", "hello\r", "33", "91", "--"])
+        .arg(amvm_bin())
+        .args(["run", "-it", "--mem", "256", "--workspace"])
+        .arg(format!("{}:overlay", ws.display()))
+        .arg("--changes")
+        .arg(&changes)
+        .args(["--", "sh", "-c", script])
+        .env("XDG_RUNTIME_DIR", &w.xdg)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).replace("\r\n", "\n");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(6), "{text}{err}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines[0].starts_with("/dev/pts/"), "a terminal: {text:?}");
+    assert_eq!(lines[1..3], ["33 91", "READY"], "{text:?}");
+    assert!(text.ends_with("hello\ngot:hello\n"), "{text:?}");
+    // The changes: the typed line in a new file, applied to a copy of the workspace.
+    let copy = base.join("copy");
+    let cp = Command::new("cp")
+        .arg("-a")
+        .arg(&ws)
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let applied = w.amvm(&["apply", changes.to_str().unwrap(), copy.to_str().unwrap()]);
+    assert_eq!(applied.code, 0, "{}", applied.stderr);
+    assert_eq!(
+        std::fs::read_to_string(copy.join("typed")).unwrap(),
+        "hello\n"
+    );
+    assert!(
+        !ws.join("typed").exists(),
+        "the workspace itself is untouched"
+    );
+    let ls = w.amvm(&["ls", "--json"]);
+    assert_eq!(
+        (ls.code, ls.stdout_str().trim()),
+        (0, "[]"),
+        "{}",
+        ls.stderr
+    );
+    no_process_with(ws.to_str().unwrap());
+
+    // --timeout: 124 and the run's own line, whether it runs out while the VM boots or while
+    // the command runs; nothing left either.
+    for t in ["2", "20"] {
+        let out = w.amvm(&[
+            "run",
+            "-t",
+            "--mem",
+            "256",
+            "--timeout",
+            t,
+            "--",
+            "sleep",
+            "600",
+        ]);
+        assert_eq!(out.code, 124, "{out:?}");
+        assert_eq!(
+            out.stderr,
+            format!("amvm: timed out after {t} s\n"),
+            "{out:?}"
+        );
+    }
+    let ls = w.amvm(&["ls", "--json"]);
+    assert_eq!(
+        (ls.code, ls.stdout_str().trim()),
+        (0, "[]"),
+        "{}",
+        ls.stderr
+    );
+    // What a sandbox cannot do with -t is refused before anything starts.
+    let out = w.amvm(&["run", "-t", "--console", "--", "true"]);
+    assert_eq!(out.code, 125);
+    assert!(
+        one_line(&out).starts_with("amvm: amvm run -t: --console"),
+        "{}",
+        out.stderr
+    );
+    let out = w.amvm(&["run", "-t", "--changes", "/tmp/x.tar", "--", "true"]);
+    assert_eq!(out.code, 125);
+    assert!(
+        one_line(&out).contains("--changes needs a writable workspace"),
+        "{}",
+        out.stderr
+    );
+    let _ = std::fs::remove_dir_all(&base);
+}

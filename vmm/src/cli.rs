@@ -166,6 +166,11 @@ pub struct RunArgs {
     /// Forward stdin to the workload.
     #[arg(short = 'i', long)]
     pub interactive: bool,
+    /// Give the workload a pseudo-terminal (the caller's terminal in raw mode meanwhile with
+    /// -i, its window size passed on and kept up to date): `amvm run -it -- claude`. The run
+    /// is then a sandbox made for it (amvm create, exec -t, rm).
+    #[arg(short = 't', long)]
+    pub tty: bool,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,

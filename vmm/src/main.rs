@@ -45,6 +45,12 @@ fn main() -> ExitCode {
         Err(e) => return usage_error(e),
     };
     let args = match cli.command {
+        Command::Run(args) if args.tty => {
+            return sandbox_result(amvm::sandbox::run::run_with_tty(*args).map(|code| {
+                let _ = std::io::stdout().flush();
+                ExitCode::from(code)
+            }))
+        }
         Command::Run(args) => *args,
         Command::Image(cmd) => return image(cmd),
         Command::Apply(args) => return apply(args),

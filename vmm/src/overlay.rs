@@ -303,36 +303,40 @@ pub fn supervise(vmm: impl FnOnce() -> u8) -> Result<u8, OverlayError> {
 /// into place), then the scratch directory removed. When writing fails the scratch directory
 /// is kept and the error says where.
 pub fn finish(ov: &Overlay, scratch: &Path) -> Result<Option<LayerReport>, OverlayError> {
-    let report = match &ov.changes {
-        Some(file) => {
-            let keep = || scratch.to_owned();
-            // Written beside FILE (the same filesystem), then renamed into place: FILE is
-            // either the old one or the whole new one.
-            let mut tmp = file.as_os_str().to_owned();
-            tmp.push(format!(".amvm-{}", std::process::id()));
-            let tmp = PathBuf::from(tmp);
-            let written: Result<LayerReport, OverlayError> = (|| {
-                let out = std::fs::File::create(&tmp)
-                    .map_err(|e| OverlayError::ChangesIo(file.clone(), e, keep()))?;
-                let (out, report) = write_layer(&upper(scratch), io::BufWriter::new(out))
-                    .map_err(|e| OverlayError::Changes(file.clone(), e, keep()))?;
-                let out = out
-                    .into_inner()
-                    .map_err(|e| OverlayError::ChangesIo(file.clone(), e.into_error(), keep()))?;
-                out.sync_all()
-                    .and_then(|()| std::fs::rename(&tmp, file))
-                    .map_err(|e| OverlayError::ChangesIo(file.clone(), e, keep()))?;
-                Ok(report)
-            })();
-            if written.is_err() {
-                let _ = std::fs::remove_file(&tmp);
-            }
-            Some(written?)
-        }
-        None => None,
-    };
+    let report = ov
+        .changes
+        .as_ref()
+        .map(|file| write_changes(scratch, file))
+        .transpose()?;
     remove_scratch(scratch);
     Ok(report)
+}
+
+/// Write the upper directory of `scratch` as a layer to `file`: beside it (the same
+/// filesystem), then renamed into place, so FILE is either the old one or the whole new one.
+/// An error names `scratch`, which the caller keeps.
+pub fn write_changes(scratch: &Path, file: &Path) -> Result<LayerReport, OverlayError> {
+    let keep = || scratch.to_owned();
+    let mut tmp = file.as_os_str().to_owned();
+    tmp.push(format!(".amvm-{}", std::process::id()));
+    let tmp = PathBuf::from(tmp);
+    let written: Result<LayerReport, OverlayError> = (|| {
+        let out = std::fs::File::create(&tmp)
+            .map_err(|e| OverlayError::ChangesIo(file.to_owned(), e, keep()))?;
+        let (out, report) = write_layer(&upper(scratch), io::BufWriter::new(out))
+            .map_err(|e| OverlayError::Changes(file.to_owned(), e, keep()))?;
+        let out = out
+            .into_inner()
+            .map_err(|e| OverlayError::ChangesIo(file.to_owned(), e.into_error(), keep()))?;
+        out.sync_all()
+            .and_then(|()| std::fs::rename(&tmp, file))
+            .map_err(|e| OverlayError::ChangesIo(file.to_owned(), e, keep()))?;
+        Ok(report)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// Remove the scratch directory; overlayfs leaves its work directory without permissions, so

@@ -432,7 +432,7 @@ fn create(
     let c_rootfs = rootfs.clone();
     let mut labels = b.annotations.clone();
     labels.insert("io.amvm.oci.id".into(), id.into());
-    let sandbox = sandbox::supervisor::create_from(b.cfg, b.state, None, labels)
+    let sandbox = sandbox::supervisor::create_from(b.cfg, b.state, None, labels, false)
         .map_err(|e| fail(e.into()))?;
     let remove_sandbox = |e: OciError| {
         let _ = crate::sandbox::commands::rm_quietly(&sandbox);

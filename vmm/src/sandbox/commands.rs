@@ -170,9 +170,10 @@ impl Drop for RawMode {
     }
 }
 
-/// What the sandbox's guest wrote to its workspace so far, as a layer tar in its state
-/// directory (the caller removes it); and the workspace's DIR.
-fn changes_of(sb: &Sandbox) -> Result<(std::path::PathBuf, std::path::PathBuf), SandboxError> {
+/// The sandbox's overlay scratch directory, as this process reaches it, and the workspace's DIR.
+pub(crate) fn scratch_of(
+    sb: &Sandbox,
+) -> Result<(std::path::PathBuf, std::path::PathBuf), SandboxError> {
     let info = sb.info()?;
     let (Some(lower), Some(scratch)) = (info.config.overlay_lower, info.config.overlay_scratch)
     else {
@@ -186,7 +187,16 @@ fn changes_of(sb: &Sandbox) -> Result<(std::path::PathBuf, std::path::PathBuf), 
             sb.shown()
         )));
     }
-    let scratch = crate::overlay::scratch_seen_from_outside(&scratch, capped, info.pid);
+    Ok((
+        crate::overlay::scratch_seen_from_outside(&scratch, capped, info.pid),
+        lower,
+    ))
+}
+
+/// What the sandbox's guest wrote to its workspace so far, as a layer tar in its state
+/// directory (the caller removes it); and the workspace's DIR.
+fn changes_of(sb: &Sandbox) -> Result<(std::path::PathBuf, std::path::PathBuf), SandboxError> {
+    let (scratch, lower) = scratch_of(sb)?;
     let tmp = sb.dir().join(format!("changes-{}.tar", std::process::id()));
     let written = std::fs::File::create(&tmp)
         .map_err(|e| SandboxError::Io(tmp.display().to_string(), e))

@@ -15,6 +15,7 @@ pub mod api;
 pub mod client;
 pub mod commands;
 pub mod copy;
+pub mod run;
 pub mod supervisor;
 
 use serde::{Deserialize, Serialize};
@@ -53,6 +54,10 @@ pub enum SandboxError {
     Changes(String),
     #[error("{0} is not supported by amvm create yet")]
     Unsupported(&'static str),
+    #[error("amvm run -t: {0}")]
+    RunTty(&'static str),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
 }
 
 fn io_err(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> SandboxError {

@@ -47,6 +47,16 @@ const STOP_MARGIN: Duration = Duration::from_secs(20);
 
 /// `amvm create`: boot the sandbox; its id once it is ready.
 pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
+    create_with(args, false)
+}
+
+/// `create` for a sandbox that lives no longer than this process (`amvm run -t`): its
+/// supervisor gets SIGKILL when this process ends, and its VMM goes with it.
+pub fn create_tied(args: CreateArgs) -> Result<String, SandboxError> {
+    create_with(args, true)
+}
+
+fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
     if args.vm.changes.is_some() {
         return Err(SandboxError::Unsupported(
             "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR)",
@@ -82,7 +92,7 @@ pub fn create(args: CreateArgs) -> Result<String, SandboxError> {
         .vm
         .into_config(Vec::new(), false, Some(PathBuf::from("/")))
         .map_err(|e| SandboxError::Start(format!("{:#}", anyhow::Error::from(e))))?;
-    create_from(cfg, config, args.name, labels)
+    create_from(cfg, config, args.name, labels, tied)
 }
 
 /// Boot a sandbox from a checked session config (`cfg.session` is set here) and what
@@ -92,6 +102,7 @@ pub fn create_from(
     config: Config,
     name: Option<String>,
     labels: std::collections::BTreeMap<String, String>,
+    tied: bool,
 ) -> Result<String, SandboxError> {
     let (id, dir) = super::make_dir(name.as_deref())?;
     cfg.session = Some(dir.join("guest.sock"));
@@ -140,6 +151,7 @@ pub fn create_from(
         .map_err(io_err(dir.display()))
         .map_err(fail)?;
     let (read_end, write_end) = pipe().map_err(io_err("pipe")).map_err(fail)?;
+    let creator = std::process::id();
     // SAFETY: fork(2) from amvm's main thread before it started any other thread; the child
     // continues as an ordinary single-threaded process.
     let pid = unsafe { libc::fork() };
@@ -148,6 +160,14 @@ pub fn create_from(
     }
     if pid == 0 {
         drop(read_end);
+        if tied {
+            // SAFETY: prctl(2) with integer arguments.
+            unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
+            if std::os::unix::process::parent_id() != creator {
+                // SAFETY: _exit(2): the creator is gone already.
+                unsafe { libc::_exit(1) };
+            }
+        }
         let code = supervise(cfg, info.clone(), &dir, write_end);
         // SAFETY: _exit(2) ends the supervisor without running anything of `create`'s.
         unsafe { libc::_exit(code) };
@@ -249,8 +269,10 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd) -> i32
         let code = match crate::builder::run(&cfg, &crate::builder::Timeline::start()) {
             Ok(code) => code,
             Err(e) => {
+                // 124 for its --timeout, as a run's (describe_end says "timed out").
+                let code = e.exit_code();
                 eprintln!("amvm: {:#}", anyhow::Error::from(e));
-                crate::exit::AMVM_FAILURE
+                code
             }
         };
         // SAFETY: _exit(2) ends the VMM with its status (its vCPU threads may be in KVM_RUN).
