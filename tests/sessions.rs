@@ -1257,3 +1257,141 @@ fn run_t_gives_a_terminal_writes_its_changes_and_leaves_no_sandbox() {
     );
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// `amvm serve`: one socket for all of a user's sandboxes, driven from Python's http.client:
+/// create (by name), list, an exec and an archive passed through to the sandbox by name, rm
+/// refused while running unless forced, and the server gone on SIGTERM with its socket.
+#[test]
+fn amvm_serve_creates_lists_passes_through_and_removes_from_python() {
+    let w = World::new("serve");
+    let sock = w.xdg.join("serve.sock");
+    let mut server = w
+        .cmd(&["serve", "--socket", sock.to_str().unwrap()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !sock.exists() {
+        if let Ok(Some(st)) = server.try_wait() {
+            let mut err = String::new();
+            let _ = std::io::Read::read_to_string(server.stderr.as_mut().unwrap(), &mut err);
+            panic!("amvm serve ended ({st}): {err}");
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "amvm serve did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Only its user can reach it.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&sock).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{mode:o}");
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("standin/amvm_api.py");
+    let api = |args: &[&str]| {
+        let out = Command::new("python3")
+            .arg(&script)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let s = sock.to_str().unwrap();
+    let (code, out, err) = api(&[
+        s, "create", "--name", "srv", "--", "--mem", "256", "--label", "k=v",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let made: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (
+            made["name"].as_str(),
+            made["state"].as_str(),
+            made["labels"]["k"].as_str()
+        ),
+        (Some("srv"), Some("running"), Some("v")),
+        "{made}"
+    );
+    let id = made["id"].as_str().unwrap().to_string();
+    // The CLI sees the same sandbox.
+    assert_eq!(w.inspect("srv")["id"].as_str(), Some(id.as_str()));
+    let (code, out, err) = api(&[s, "ls"]);
+    assert_eq!(code, Some(0), "{err}");
+    let all: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(all.as_array().map(Vec::len), Some(1), "{all}");
+    assert_eq!(all[0]["id"].as_str(), Some(id.as_str()));
+    // An exec and an archive through the server, by name.
+    let (code, out, err) = api(&[
+        "--sandbox",
+        "srv",
+        s,
+        "exec",
+        "sh",
+        "-c",
+        "echo hi > /tmp/f; cat /tmp/f; echo e >&2; exit 3",
+    ]);
+    assert_eq!((code, out.as_str(), err.as_str()), (Some(3), "hi\n", "e\n"));
+    let (code, out, err) = api(&["--sandbox", "srv", s, "info"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains(&id), "{out}");
+    let tar = Command::new("python3")
+        .arg(&script)
+        .args(["--sandbox", &id, s, "get-archive", "/tmp/f"])
+        .output()
+        .unwrap();
+    assert!(
+        tar.status.success(),
+        "{}",
+        String::from_utf8_lossy(&tar.stderr)
+    );
+    let listed = Command::new("tar")
+        .args(["-tvf", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            c.stdin.take().unwrap().write_all(&tar.stdout)?;
+            c.wait_with_output()
+        })
+        .unwrap();
+    let listed = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        listed.trim_end().ends_with(" f") && listed.contains(" 3 "),
+        "{listed}"
+    );
+    // What the server cannot do is said with its reason.
+    let (code, _, err) = api(&[s, "create", "--", "--mem", "lots"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("400: create: invalid value 'lots' for '--mem"),
+        "{err}"
+    );
+    let (code, _, err) = api(&["--sandbox", "nope", s, "info"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("404: no sandbox nope"), "{err}");
+    let procs = w.procs(&id);
+    let (code, _, err) = api(&[s, "rm", "srv"]);
+    assert_eq!(code, Some(1));
+    assert!(
+        err.contains("409: sandbox") && err.contains("is running"),
+        "{err}"
+    );
+    let (code, out, err) = api(&[s, "rm", "--force", "srv"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains(&id), "{out}");
+    all_gone(&procs);
+    let (_, out, _) = api(&[s, "ls"]);
+    assert_eq!(out.trim(), "[]");
+    // SIGTERM ends the server and takes its socket.
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(server.id() as i32, libc::SIGTERM) };
+    let status = server.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert!(!sock.exists(), "the socket is left");
+}

@@ -7,6 +7,13 @@
     amvm_api.py SOCKET put-archive DIR          (a tar on stdin, unpacked into DIR in the sandbox)
     amvm_api.py SOCKET get-archive PATH         (PATH in the sandbox, as a tar on stdout)
 
+With `amvm serve`'s socket (all of a user's sandboxes):
+    amvm_api.py SOCKET create [--name NAME] -- FLAG...   (amvm create's flags; prints the sandbox)
+    amvm_api.py SOCKET ls
+    amvm_api.py SOCKET rm [--force] SANDBOX
+    amvm_api.py --sandbox SANDBOX SOCKET info|exec|put-archive|get-archive ...
+                                                (one sandbox's calls, through the server)
+
 Frames (after `101 Switching Protocols`): kind (1 byte), length (u32 little-endian), payload.
 From the sandbox: 1 stdout, 2 stderr, 3 exit (1 byte). To it: 32 stdin, 33 end of stdin,
 17 signal (1 byte).
@@ -22,6 +29,10 @@ import threading
 import urllib.parse
 
 
+# "/v1" on a sandbox's own socket; "/v1/sandboxes/ID" through amvm serve's.
+PREFIX = "/v1"
+
+
 class UnixConnection(http.client.HTTPConnection):
     def __init__(self, path):
         super().__init__("amvm")
@@ -34,7 +45,7 @@ class UnixConnection(http.client.HTTPConnection):
 
 def info(path):
     c = UnixConnection(path)
-    c.request("GET", "/v1/sandbox")
+    c.request("GET", PREFIX + "/sandbox" if PREFIX == "/v1" else PREFIX)
     r = c.getresponse()
     body = json.loads(r.read())
     if r.status != 200:
@@ -59,7 +70,7 @@ def read_exact(f, n):
 def exec_(path, argv, with_stdin):
     c = UnixConnection(path)
     body = json.dumps({"argv": argv, "stdin": with_stdin})
-    c.request("POST", "/v1/exec", body=body,
+    c.request("POST", PREFIX + "/exec", body=body,
               headers={"Upgrade": "amvm-exec/1", "Connection": "Upgrade",
                        "Content-Type": "application/json"})
     r = c.getresponse()
@@ -98,7 +109,7 @@ def put_archive(path, guest_dir):
     body = sys.stdin.buffer
     size = os.fstat(body.fileno()).st_size
     c = UnixConnection(path)
-    c.request("PUT", "/v1/archive?" + urllib.parse.urlencode({"path": guest_dir}), body=body,
+    c.request("PUT", PREFIX + "/archive?" + urllib.parse.urlencode({"path": guest_dir}), body=body,
               headers={"Content-Length": str(size), "Content-Type": "application/x-tar"})
     r = c.getresponse()
     answer = json.loads(r.read())
@@ -108,7 +119,7 @@ def put_archive(path, guest_dir):
 
 def get_archive(path, guest_path):
     c = UnixConnection(path)
-    c.request("GET", "/v1/archive?" + urllib.parse.urlencode({"path": guest_path}))
+    c.request("GET", PREFIX + "/archive?" + urllib.parse.urlencode({"path": guest_path}))
     r = c.getresponse()
     if r.status != 200:
         sys.exit(f"amvm_api: {r.status}: {json.loads(r.read())['error']}")
@@ -123,10 +134,45 @@ def get_archive(path, guest_path):
     sys.stdout.buffer.flush()
 
 
+def call(path, method, target, body=None):
+    c = UnixConnection(path)
+    c.request(method, target, body=None if body is None else json.dumps(body),
+              headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    answer = json.loads(r.read())
+    if r.status >= 300:
+        sys.exit(f"amvm_api: {r.status}: {answer['error']}")
+    return answer
+
+
 def main():
-    if len(sys.argv) < 3:
+    global PREFIX
+    argv = sys.argv[1:]
+    if argv[:1] == ["--sandbox"] and len(argv) >= 2:
+        PREFIX = "/v1/sandboxes/" + urllib.parse.quote(argv[1], safe="")
+        argv = argv[2:]
+    if len(argv) < 2:
         sys.exit(__doc__)
-    path, what = sys.argv[1], sys.argv[2]
+    sys.argv = [sys.argv[0]] + argv
+    path, what = argv[0], argv[1]
+    if what == "create":
+        rest = argv[2:]
+        name = None
+        if rest[:1] == ["--name"]:
+            name, rest = rest[1], rest[2:]
+        if rest[:1] == ["--"]:
+            rest = rest[1:]
+        print(json.dumps(call(path, "POST", "/v1/sandboxes", {"args": rest, "name": name})))
+        return
+    if what == "ls":
+        print(json.dumps(call(path, "GET", "/v1/sandboxes")))
+        return
+    if what == "rm":
+        force = argv[2:3] == ["--force"]
+        sandbox = argv[3] if force else argv[2]
+        target = "/v1/sandboxes/" + urllib.parse.quote(sandbox, safe="")
+        print(json.dumps(call(path, "DELETE", target + ("?force=true" if force else ""))))
+        return
     if what == "info":
         info(path)
     elif what == "exec":

@@ -29,6 +29,14 @@ pub enum Command {
     Run(Box<RunArgs>),
     /// Boot a sandbox that stays up (until `amvm stop` or its --timeout) and print its id.
     Create(Box<CreateArgs>),
+    /// Serve the API for all of this user's sandboxes on one socket (create, list, inspect,
+    /// remove; exec, stop, wait and archives passed to each sandbox's own): docs/api.md.
+    /// Runs until SIGINT or SIGTERM.
+    Serve {
+        /// The socket (default: api.sock beside the sandboxes' state directories).
+        #[arg(long, value_name = "PATH")]
+        socket: Option<PathBuf>,
+    },
     /// Run COMMAND in a running sandbox; exit with its status.
     Exec(ExecArgs),
     /// Copy a file or tree into or out of a sandbox: `cp HOSTPATH SANDBOX:/PATH` or `cp

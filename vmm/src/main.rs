@@ -70,6 +70,9 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }))
         }
+        Command::Serve { socket } => {
+            return sandbox_result(amvm::sandbox::serve::serve(socket).map(|()| ExitCode::SUCCESS))
+        }
         Command::Exec(args) => {
             return sandbox_result(amvm::sandbox::commands::exec(args).map(|code| {
                 let _ = std::io::stdout().flush();

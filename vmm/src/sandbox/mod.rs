@@ -15,7 +15,9 @@ pub mod api;
 pub mod client;
 pub mod commands;
 pub mod copy;
+pub mod http;
 pub mod run;
+pub mod serve;
 pub mod supervisor;
 
 use serde::{Deserialize, Serialize};
@@ -56,6 +58,10 @@ pub enum SandboxError {
     Unsupported(&'static str),
     #[error("amvm run -t: {0}")]
     RunTty(&'static str),
+    #[error("serve: {0}")]
+    Serve(String),
+    #[error("create: {0}")]
+    CreateFailed(String),
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
 }

@@ -17,6 +17,7 @@
 //! why not (then it removes the directory and fails with the reason).
 
 use super::api::{self, ExecRequest, StopRequest, EXEC_UPGRADE};
+use super::http::{self, parse_body, reply_error, reply_json};
 
 mod archive;
 use super::{io_err, now, write_state, Config, Info, SandboxError};
@@ -651,24 +652,10 @@ async fn control_stream(
 
 /// Serve one API request.
 async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), String> {
-    let mut buf = Vec::with_capacity(4096);
-    let end = loop {
-        if let Some(end) = api::head_end(&buf) {
-            break end;
-        }
-        if buf.len() > api::MAX_HEAD {
-            return reply_error(&mut conn, 413, "the request head is too large").await;
-        }
-        let mut chunk = [0u8; 4096];
-        let n = conn.read(&mut chunk).await.map_err(|e| e.to_string())?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    };
-    let head = match api::parse_head(&buf[..end]) {
-        Ok(h) => h,
-        Err(e) => return reply_error(&mut conn, 400, &e).await,
+    let (head, rest) = match http::read_head(&mut conn).await? {
+        Some(Ok(h)) => h,
+        Some(Err((code, e))) => return reply_error(&mut conn, code, &e).await,
+        None => return Ok(()),
     };
     let method = head.first.0.as_str();
     let (path, query) = match api::split_target(&head.first.1) {
@@ -677,7 +664,6 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
     };
     if path == "/v1/archive" {
         // Its body (a tar of any size) is streamed, not read here.
-        let rest = buf.split_off(end);
         return match method {
             "PUT" => match head.declared_length() {
                 Ok(len) => {
@@ -698,21 +684,11 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
             _ => reply_error(&mut conn, 405, &format!("{method} {path}: wrong method")).await,
         };
     }
-    let len = match head.content_length() {
-        Ok(n) => n,
-        Err(e) => return reply_error(&mut conn, 413, &e).await,
+    let (body, leftover) = match http::read_body(&mut conn, &head, rest).await? {
+        Some(Ok(b)) => b,
+        Some(Err((code, e))) => return reply_error(&mut conn, code, &e).await,
+        None => return Ok(()),
     };
-    let mut rest = buf.split_off(end);
-    while rest.len() < len {
-        let mut chunk = vec![0u8; (len - rest.len()).min(64 * 1024)];
-        let n = conn.read(&mut chunk).await.map_err(|e| e.to_string())?;
-        if n == 0 {
-            return Ok(());
-        }
-        rest.extend_from_slice(&chunk[..n]);
-    }
-    let leftover = rest.split_off(len);
-    let body = rest;
     match (method, path) {
         ("GET", "/v1/sandbox") => reply_json(&mut conn, 200, &sup.snapshot()).await,
         ("GET", "/v1/wait") => {
@@ -749,28 +725,6 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
         }
         _ => reply_error(&mut conn, 404, &format!("no such endpoint {path}")).await,
     }
-}
-
-fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, String> {
-    let body = if body.is_empty() { &b"{}"[..] } else { body };
-    serde_json::from_slice(body).map_err(|e| format!("the request body: {e}"))
-}
-
-async fn reply_json<T: serde::Serialize>(
-    conn: &mut UnixStream,
-    code: u16,
-    v: &T,
-) -> Result<(), String> {
-    let body = serde_json::to_vec(v).map_err(|e| e.to_string())?;
-    conn.write_all(&api::response(code, &body))
-        .await
-        .map_err(|e| e.to_string())?;
-    let _ = conn.shutdown().await;
-    Ok(())
-}
-
-async fn reply_error(conn: &mut UnixStream, code: u16, msg: &str) -> Result<(), String> {
-    reply_json(conn, code, &api::ErrorBody { error: msg.into() }).await
 }
 
 /// Ask the guest to stop (SIGTERM, `grace` s, SIGKILL); kill the VMM if it has not ended

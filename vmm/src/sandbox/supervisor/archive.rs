@@ -7,9 +7,10 @@
 //! Both move at the slower side's pace: vsock's credit on one side, the socket on the other.
 //! What the guest sends out is the guest's: a client unpacks it as untrusted (`amvm cp` does).
 
-use super::{reply_error, reply_json, start_exec, Busy, Sup};
+use super::{start_exec, Busy, Sup};
 use crate::sandbox::api;
 use crate::sandbox::copy::{check_guest_path, script_exec, PACK};
+use crate::sandbox::http::{reply_error, reply_json};
 use guest_init::protocol::{exec_signal_payload, Direction, Frame, FrameKind, FrameParser};
 use std::sync::Arc;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
