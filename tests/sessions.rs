@@ -4,6 +4,7 @@
 
 use amvm_tests::{amvm_bin, leftovers, require_kvm, Outcome};
 use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -190,6 +191,28 @@ fn state_persists_between_execs_and_each_exec_has_its_own_streams_and_status() {
         "{}",
         out.stderr
     );
+    // An argument that is not UTF-8 (a Linux file name need not be) arrives byte for byte.
+    let odd = std::ffi::OsStr::from_bytes(b"\xff\xfe-odd\x80");
+    let out = Outcome::from(
+        w.cmd(&[
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "printf %s \"$1\" > /tmp/odd; cat /tmp/odd",
+            "sh",
+        ])
+        .arg(odd)
+        .output()
+        .unwrap(),
+    );
+    assert_eq!(
+        (out.code, out.stdout.as_slice()),
+        (0, odd.as_bytes()),
+        "{}",
+        out.stderr
+    );
     // stdout and stderr apart, the status exact, the user the sandbox's (1000) unless asked.
     let out = w.exec(&id, &["sh", "-c", "id -u; echo oops >&2; exit 42"]);
     assert_eq!(out.code, 42);
@@ -237,7 +260,7 @@ fn state_persists_between_execs_and_each_exec_has_its_own_streams_and_status() {
     assert_eq!(info["state"], "running");
     assert_eq!(info["id"], id.as_str());
     assert_eq!(info["name"], "persist");
-    assert_eq!(info["execs"], 7);
+    assert_eq!(info["execs"], 8);
     assert!(info["vmm_pid"].as_u64().unwrap() > 0);
 }
 

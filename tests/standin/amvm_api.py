@@ -67,9 +67,18 @@ def read_exact(f, n):
     return b
 
 
+def arg(a):
+    """An argument as the API takes it: a string, or {"hex": ...} for bytes that are not UTF-8."""
+    b = os.fsencode(a)
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return {"hex": b.hex()}
+
+
 def exec_(path, argv, with_stdin):
     c = UnixConnection(path)
-    body = json.dumps({"argv": argv, "stdin": with_stdin})
+    body = json.dumps({"argv": [arg(a) for a in argv], "stdin": with_stdin})
     c.request("POST", PREFIX + "/exec", body=body,
               headers={"Upgrade": "amvm-exec/1", "Connection": "Upgrade",
                        "Content-Type": "application/json"})

@@ -13,10 +13,61 @@ pub const MAX_HEAD: usize = 16 * 1024;
 /// Largest request or response body.
 pub const MAX_BODY: usize = 4 << 20;
 
+/// One argument of a command: a JSON string, or `{"hex": "..."}` for bytes that are not UTF-8
+/// (a file name from a Linux file system need not be).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(untagged)]
+pub enum Arg {
+    Text(String),
+    Hex { hex: String },
+}
+
+impl Arg {
+    /// `b` as a string where it is UTF-8, else as hex.
+    pub fn from_bytes(b: &[u8]) -> Arg {
+        match std::str::from_utf8(b) {
+            Ok(s) => Arg::Text(s.to_string()),
+            Err(_) => Arg::Hex {
+                hex: b.iter().map(|x| format!("{x:02x}")).collect(),
+            },
+        }
+    }
+
+    /// Its bytes; an error for hex that is not.
+    pub fn bytes(&self) -> Result<Vec<u8>, String> {
+        match self {
+            Arg::Text(s) => Ok(s.as_bytes().to_vec()),
+            Arg::Hex { hex } => {
+                let bad = || format!("{{\"hex\": {hex:?}}}: not pairs of hex digits");
+                if hex.len() % 2 != 0 || !hex.is_ascii() {
+                    return Err(bad());
+                }
+                (0..hex.len())
+                    .step_by(2)
+                    .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).map_err(|_| bad()))
+                    .collect()
+            }
+        }
+    }
+}
+
+impl From<&str> for Arg {
+    fn from(s: &str) -> Arg {
+        Arg::Text(s.to_string())
+    }
+}
+
+impl From<String> for Arg {
+    fn from(s: String) -> Arg {
+        Arg::Text(s)
+    }
+}
+
 /// `POST /v1/exec`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ExecRequest {
-    pub argv: Vec<String>,
+    /// The command and its arguments.
+    pub argv: Vec<Arg>,
     /// `KEY=VAL`, on top of the sandbox's environment.
     #[serde(default)]
     pub env: Vec<String>,
@@ -288,6 +339,29 @@ mod tests {
         let h = parse_head(&r[..end]).unwrap();
         assert_eq!(h.first, ("HTTP/1.1".into(), "404".into()));
         assert_eq!(h.content_length(), Ok(13));
+    }
+
+    #[test]
+    fn arguments_are_strings_or_hex_bytes() {
+        for b in [&b"plain"[..], b"", b"\xff\xfe/x", "é".as_bytes()] {
+            let a = Arg::from_bytes(b);
+            assert_eq!(a.bytes().unwrap(), b);
+            let json = serde_json::to_string(&a).unwrap();
+            assert_eq!(serde_json::from_str::<Arg>(&json).unwrap(), a, "{json}");
+        }
+        assert_eq!(
+            serde_json::to_string(&Arg::from_bytes(b"\xffa")).unwrap(),
+            r#"{"hex":"ff61"}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&Arg::from_bytes(b"a b")).unwrap(),
+            r#""a b""#
+        );
+        for bad in ["f", "zz", "fff", "ééé"] {
+            let a: Arg = serde_json::from_str(&format!(r#"{{"hex": "{bad}"}}"#)).unwrap();
+            assert!(a.bytes().is_err(), "{bad}");
+        }
+        assert!(serde_json::from_str::<Arg>("3").is_err());
     }
 
     #[test]

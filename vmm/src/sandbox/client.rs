@@ -263,7 +263,7 @@ impl Sandbox {
     /// Run `argv` (no stdin) and collect its output and status.
     pub fn exec_output(&self, argv: &[&str]) -> Result<Output, SandboxError> {
         let mut s = self.exec(&ExecRequest {
-            argv: argv.iter().map(|a| a.to_string()).collect(),
+            argv: argv.iter().map(|&a| a.into()).collect(),
             env: vec![],
             workdir: None,
             user: None,

@@ -10,18 +10,12 @@ use std::os::fd::AsRawFd;
 /// `amvm exec`: the command's exit status.
 pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
     let sb = Sandbox::open(&args.sandbox)?;
-    let mut argv = Vec::with_capacity(args.command.len());
-    for a in &args.command {
-        match a.to_str() {
-            Some(s) => argv.push(s.to_string()),
-            None => {
-                return Err(SandboxError::Protocol(
-                    sb.id.clone(),
-                    format!("the argument {a:?} is not UTF-8, which the API cannot carry yet"),
-                ))
-            }
-        }
-    }
+    use std::os::unix::ffi::OsStrExt;
+    let argv = args
+        .command
+        .iter()
+        .map(|a| super::api::Arg::from_bytes(a.as_bytes()))
+        .collect();
     // Ctrl-C and friends go to the command, not to us: blocked here, read from a signalfd.
     let signals = crate::signals::Signals::block()
         .map_err(|e| SandboxError::Io("blocking signals".into(), e))?;

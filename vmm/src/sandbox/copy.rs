@@ -45,13 +45,9 @@ fn guest_path(p: &str) -> Result<&str, SandboxError> {
 /// An exec of `sh -c SCRIPT` with `args` as $1..., from /, as the sandbox's user: how `cp` and
 /// the API's archives run the guest's `tar`.
 pub(crate) fn script_exec(script: &str, args: &[&str], stdin: bool) -> ExecRequest {
-    let mut argv = vec![
-        "sh".to_string(),
-        "-c".into(),
-        script.into(),
-        "amvm-cp".into(),
-    ];
-    argv.extend(args.iter().map(|a| a.to_string()));
+    let mut argv: Vec<super::api::Arg> =
+        vec!["sh".into(), "-c".into(), script.into(), "amvm-cp".into()];
+    argv.extend(args.iter().map(|&a| a.into()));
     ExecRequest {
         argv,
         env: vec![],

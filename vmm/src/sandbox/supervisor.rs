@@ -780,7 +780,11 @@ fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> 
     };
     let spec = ExecSpec {
         id,
-        argv: req.argv.iter().map(|a| a.as_bytes().to_vec()).collect(),
+        argv: req
+            .argv
+            .iter()
+            .map(super::api::Arg::bytes)
+            .collect::<Result<_, _>>()?,
         env,
         cwd: cwd.into_bytes(),
         uid,
