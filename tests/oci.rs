@@ -67,7 +67,7 @@ impl Podman {
         );
         let base = PathBuf::from(format!("/dev/shm/amvm-oci-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&base);
-        for d in ["bin", "tmp", "libpod-tmp"] {
+        for d in ["bin", "tmp", "libpod-tmp", "networks"] {
             std::fs::create_dir_all(base.join(d)).unwrap();
         }
         std::os::unix::fs::symlink(amvm_bin(), base.join("bin/amvm-runc")).unwrap();
@@ -90,6 +90,9 @@ impl Podman {
         c.args(["--root", &b("storage"), "--runroot", &b("run")])
             .args(["--tmpdir", &b("libpod-tmp"), "--storage-driver", "vfs"])
             .args(["--cgroup-manager", "cgroupfs", "--events-backend", "file"])
+            // Its network configuration and lock of its own: the emulated host's /etc, where
+            // podman keeps them by default, is read-only (and nothing is left in the host's).
+            .args(["--network-config-dir", &b("networks")])
             .args(["--runtime", &b("bin/amvm-runc")])
             .args(args)
             .env("TMPDIR", self.base.join("tmp"))
@@ -214,7 +217,7 @@ fn podman_runs_a_container_on_amvms_kernel_with_its_output_and_exit_status() {
 }
 
 #[test]
-fn a_read_only_root_tmpfs_user_and_volume_are_honoured() {
+fn a_read_only_root_tmpfs_user_groups_ulimits_and_volume_are_honoured() {
     let p = Podman::new("ro");
     let vol = p.base.join("vol");
     std::fs::create_dir_all(&vol).unwrap();
@@ -233,10 +236,15 @@ fn a_read_only_root_tmpfs_user_and_volume_are_honoured() {
             "ALL",
             "--security-opt",
             "no-new-privileges",
+            "--group-add",
+            "4242",
+            "--ulimit",
+            "nofile=321:654",
             "-v",
             &v,
         ],
-        r#"touch /x 2>&1; id -u; id -g
+        r#"touch /x 2>&1; id -u; id -g; id -G | tr ' ' '\n' | grep -x 4242
+           grep 'open files' /proc/self/limits | tr -s ' ' | cut -d' ' -f4,5
            grep ' /tmp ' /proc/mounts | cut -d' ' -f4
            grep NoNewPrivs /proc/self/status
            cat /data/in; echo "written inside" > /data/out
@@ -248,7 +256,7 @@ fn a_read_only_root_tmpfs_user_and_volume_are_honoured() {
     let (head, _) = text.rsplit_once("full at ").unwrap_or((&text, ""));
     assert_eq!(
         head,
-        "touch: /x: Read-only file system\n65534\n65534\n\
+        "touch: /x: Read-only file system\n65534\n65534\n4242\n321 654\n\
          rw,nosuid,nodev,noexec,relatime,size=65536k\nNoNewPrivs:\t1\n\
          written before start\nnoexec\n",
         "{}",

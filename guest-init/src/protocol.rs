@@ -157,6 +157,45 @@ pub struct ExecSpec {
     /// The capabilities a uid-0 process keeps (bit N: capability N); `None`: all of them. A
     /// process of another uid has none either way.
     pub caps: Option<u64>,
+    /// Supplementary groups (none when empty), at most [`MAX_GROUPS`].
+    pub groups: Vec<u32>,
+    /// Resource limits to set: (RLIMIT_* number below [`RLIM_NLIMITS`], soft, hard).
+    pub rlimits: Vec<(u32, u64, u64)>,
+}
+
+/// include/uapi/linux/limits.h: NGROUPS_MAX.
+pub const MAX_GROUPS: usize = 65536;
+/// include/uapi/asm-generic/resource.h: RLIM_NLIMITS, the number of resources.
+pub const RLIM_NLIMITS: u32 = 16;
+
+/// include/uapi/asm-generic/resource.h: the resources' names, by number (x86_64).
+const RLIMIT_NAMES: [&str; RLIM_NLIMITS as usize] = [
+    "CPU",
+    "FSIZE",
+    "DATA",
+    "STACK",
+    "CORE",
+    "RSS",
+    "NPROC",
+    "NOFILE",
+    "MEMLOCK",
+    "AS",
+    "LOCKS",
+    "SIGPENDING",
+    "MSGQUEUE",
+    "NICE",
+    "RTPRIO",
+    "RTTIME",
+];
+
+/// The number of a resource limit named `RLIMIT_NOFILE` (OCI's form) or `nofile`.
+pub fn rlimit_number(name: &str) -> Option<u32> {
+    let upper = name.to_ascii_uppercase();
+    let bare = upper.strip_prefix("RLIMIT_").unwrap_or(&upper);
+    RLIMIT_NAMES
+        .iter()
+        .position(|n| *n == bare)
+        .map(|n| n as u32)
 }
 
 impl ExecSpec {
@@ -166,9 +205,11 @@ impl ExecSpec {
         out.extend_from_slice(&self.id.to_le_bytes());
         out.extend_from_slice(&self.uid.to_le_bytes());
         out.extend_from_slice(&self.gid.to_le_bytes());
+        let extra = !self.groups.is_empty() || !self.rlimits.is_empty();
         let flags = u32::from(self.stdin)
             | u32::from(self.tty.is_some()) << 1
-            | u32::from(self.caps.is_some()) << 2;
+            | u32::from(self.caps.is_some()) << 2
+            | u32::from(extra) << 3;
         out.extend_from_slice(&flags.to_le_bytes());
         let (rows, cols) = self.tty.unwrap_or((0, 0));
         out.extend_from_slice(&rows.to_le_bytes());
@@ -179,6 +220,19 @@ impl ExecSpec {
             out.extend_from_slice(&(list.len() as u32).to_le_bytes());
             for item in list {
                 put_bytes(&mut out, item);
+            }
+        }
+        // Flag 8: the groups and the limits follow.
+        if extra {
+            out.extend_from_slice(&(self.groups.len() as u32).to_le_bytes());
+            for g in &self.groups {
+                out.extend_from_slice(&g.to_le_bytes());
+            }
+            out.extend_from_slice(&(self.rlimits.len() as u32).to_le_bytes());
+            for (resource, soft, hard) in &self.rlimits {
+                out.extend_from_slice(&resource.to_le_bytes());
+                out.extend_from_slice(&soft.to_le_bytes());
+                out.extend_from_slice(&hard.to_le_bytes());
             }
         }
         out
@@ -202,6 +256,25 @@ impl ExecSpec {
         let cwd = r.bytes()?.to_vec();
         let argv = r.list()?;
         let env = r.list()?;
+        let (mut groups, mut rlimits) = (Vec::new(), Vec::new());
+        if flags & 8 != 0 {
+            let n = r.u32()? as usize;
+            if n > MAX_GROUPS {
+                return Err(ProtocolError::TooManyItems(n));
+            }
+            groups = (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?;
+            let n = r.u32()? as usize;
+            if n > RLIM_NLIMITS as usize {
+                return Err(ProtocolError::TooManyItems(n));
+            }
+            for _ in 0..n {
+                let (resource, soft, hard) = (r.u32()?, r.u64()?, r.u64()?);
+                if resource >= RLIM_NLIMITS || soft > hard {
+                    return Err(ProtocolError::BadEntry);
+                }
+                rlimits.push((resource, soft, hard));
+            }
+        }
         if !r.buf.is_empty() {
             return Err(ProtocolError::TrailingBytes(r.buf.len()));
         }
@@ -209,6 +282,8 @@ impl ExecSpec {
             return Err(ProtocolError::EmptyArgv);
         }
         Ok(ExecSpec {
+            groups,
+            rlimits,
             tty: (flags & 2 != 0).then_some((rows, cols)),
             caps: (flags & 4 != 0).then_some(caps),
             id,
@@ -920,7 +995,19 @@ mod tests {
             stdin: true,
             tty: Some((50, 132)),
             caps: Some(1 << 21 | 1),
+            groups: vec![10, 4242],
+            rlimits: vec![(7, 321, 654), (6, u64::MAX, u64::MAX)],
         }
+    }
+
+    #[test]
+    fn resource_limits_are_known_by_name() {
+        assert_eq!(rlimit_number("RLIMIT_NOFILE"), Some(7));
+        assert_eq!(rlimit_number("nofile"), Some(7));
+        assert_eq!(rlimit_number("RLIMIT_CPU"), Some(0));
+        assert_eq!(rlimit_number("RLIMIT_RTTIME"), Some(15));
+        assert_eq!(rlimit_number("RLIMIT_NOPE"), None);
+        assert_eq!(rlimit_number(""), None);
     }
 
     #[test]
@@ -936,6 +1023,22 @@ mod tests {
         assert_eq!(ExecSpec::decode(&enc).unwrap(), e);
         for n in 0..enc.len() {
             assert!(ExecSpec::decode(&enc[..n]).is_err(), "prefix {n} accepted");
+        }
+        // Without groups and limits, nothing of them is sent.
+        let plain = ExecSpec {
+            groups: vec![],
+            rlimits: vec![],
+            ..exec_spec()
+        };
+        assert_eq!(plain.encode().len() + 4 + 8 + 4 + 2 * 20, enc.len());
+        assert_eq!(ExecSpec::decode(&plain.encode()).unwrap(), plain);
+        // A limit of no resource, or soft above hard, is refused.
+        for bad in [(16, 1, 1), (7, 2, 1)] {
+            let e = ExecSpec {
+                rlimits: vec![bad],
+                ..exec_spec()
+            };
+            assert_eq!(ExecSpec::decode(&e.encode()), Err(ProtocolError::BadEntry));
         }
         let empty = ExecSpec {
             argv: vec![],

@@ -125,6 +125,10 @@ pub struct Confinement {
     /// The capabilities a uid-0 process keeps (its bounding set: what exec gives root);
     /// `None`: all.
     pub caps: Option<u64>,
+    /// Supplementary groups (none when empty).
+    pub groups: Vec<libc::gid_t>,
+    /// Resource limits: (RLIMIT_*, soft, hard).
+    pub rlimits: Vec<(u32, u64, u64)>,
     /// A container's root to chroot into, and the working directory inside it.
     root: Option<(std::ffi::CString, std::ffi::CString)>,
     procs_fd: i32,
@@ -144,6 +148,8 @@ impl Confinement {
         Confinement {
             ctty: false,
             caps: None,
+            groups: Vec::new(),
+            rlimits: Vec::new(),
             root: None,
             procs_fd: procs.as_raw_fd(),
             uid,
@@ -187,8 +193,17 @@ impl Confinement {
             // SAFETY: as above.
             check(unsafe { libc::chdir(cwd.as_ptr()) })?;
         }
-        // SAFETY: setgroups with an empty list (a null pointer is allowed for size 0).
-        check(unsafe { libc::setgroups(0, std::ptr::null()) })?;
+        // SAFETY: setgroups(2) with the list built before the fork (its length and pointer
+        // agree; a null pointer is allowed for length 0).
+        check(unsafe { libc::setgroups(self.groups.len(), self.groups.as_ptr()) })?;
+        for &(resource, soft, hard) in &self.rlimits {
+            let lim = libc::rlimit {
+                rlim_cur: soft,
+                rlim_max: hard,
+            };
+            // SAFETY: setrlimit(2) from a local; still root, so a hard limit may also rise.
+            check(unsafe { libc::setrlimit(resource as libc::__rlimit_resource_t, &lim) })?;
+        }
         // SAFETY: setgid takes a plain integer.
         check(unsafe { libc::setgid(self.gid) })?;
         if let (0, Some(keep)) = (self.uid, self.caps) {

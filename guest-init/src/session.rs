@@ -283,6 +283,8 @@ fn run(
     }
     let mut confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
     confinement.caps = spec.caps;
+    confinement.groups = spec.groups.clone();
+    confinement.rlimits = spec.rlimits.clone();
     if let Err(e) = confinement.in_root(&shared.root, &spec.cwd) {
         let msg = format!("amvm: the root or working directory: {e}\n");
         stream.send(FrameKind::Stderr, msg.as_bytes())?;

@@ -29,12 +29,15 @@ def main():
     base = tempfile.mkdtemp(prefix="amvm-bench-oci-", dir="/dev/shm")
     try:
         os.makedirs(os.path.join(base, "tmp"))
+        os.makedirs(os.path.join(base, "networks"))
         os.symlink(a.amvm, os.path.join(base, "amvm-runc"))
         with open(os.path.join(base, "containers.conf"), "w") as f:
             f.write('[engine]\nlock_type = "file"\n')
         env = dict(os.environ, TMPDIR=os.path.join(base, "tmp"), CONTAINERS_CONF=os.path.join(base, "containers.conf"))
         podman = ["/usr/bin/podman", "--root", f"{base}/storage", "--runroot", f"{base}/run", "--tmpdir", f"{base}/libpod",
-                  "--storage-driver", "vfs", "--cgroup-manager", "cgroupfs", "--events-backend", "file"]
+                  "--storage-driver", "vfs", "--cgroup-manager", "cgroupfs", "--events-backend", "file",
+                  # its network configuration and lock of its own (the emulated host's /etc is read-only)
+                  "--network-config-dir", f"{base}/networks"]
         busybox_root(f"{base}/rootfs")
         subprocess.run(["tar", "-C", f"{base}/rootfs", "-cf", f"{base}/rootfs.tar", "."], check=True)
         image = "localhost/amvm-bench:latest"

@@ -235,6 +235,12 @@ pub struct ExecArgs {
     /// The capabilities a uid-0 command keeps (the OCI runtime's processes).
     #[arg(skip)]
     pub capabilities: Option<u64>,
+    /// Supplementary groups (the OCI runtime's processes).
+    #[arg(skip)]
+    pub groups: Vec<u32>,
+    /// Resource limits (the OCI runtime's processes).
+    #[arg(skip)]
+    pub rlimits: Vec<crate::sandbox::api::Rlimit>,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
     pub command: Vec<OsString>,

@@ -360,6 +360,8 @@ fn run(cli: OciCli) -> Result<u8, OciError> {
                         command: command.into_iter().map(Into::into).collect(),
                         clear_env: false,
                         capabilities: None,
+                        groups: Vec::new(),
+                        rlimits: Vec::new(),
                     }
                 }
             };
@@ -464,6 +466,8 @@ fn create(
         command: b.process.args.iter().map(Into::into).collect(),
         clear_env: true,
         capabilities: b.process.capabilities,
+        groups: b.process.groups.clone(),
+        rlimits: b.process.rlimits.clone(),
     };
     // SAFETY: fork(2) from this single-threaded process (the sandbox's supervisor was forked
     // off before, and nothing here started a thread); the child only waits and execs.
@@ -715,6 +719,7 @@ fn exec_args_from(path: &Path, sandbox: &str) -> Result<crate::cli::ExecArgs, Oc
         return Err(OciError::Spec(format!("{}: args is empty", path.display())));
     }
     let cwd = p.cwd().to_string_lossy().into_owned();
+    let (groups, rlimits) = spec::groups_and_rlimits(&p);
     Ok(crate::cli::ExecArgs {
         interactive: true,
         tty: p.terminal().unwrap_or(false),
@@ -725,6 +730,8 @@ fn exec_args_from(path: &Path, sandbox: &str) -> Result<crate::cli::ExecArgs, Oc
         command: args.into_iter().map(Into::into).collect(),
         clear_env: true,
         capabilities: spec::capabilities(&p)?,
+        groups,
+        rlimits,
     })
 }
 

@@ -44,6 +44,28 @@ pub struct Process {
     pub env: Vec<String>,
     /// The capabilities it keeps when it runs as uid 0.
     pub capabilities: Option<u64>,
+    /// `user.additionalGids`.
+    pub groups: Vec<u32>,
+    /// `rlimits`.
+    pub rlimits: Vec<crate::sandbox::api::Rlimit>,
+}
+
+/// A process's supplementary groups and resource limits, as an exec takes them.
+pub fn groups_and_rlimits(
+    p: &oci_spec::runtime::Process,
+) -> (Vec<u32>, Vec<crate::sandbox::api::Rlimit>) {
+    let groups = p.user().additional_gids().clone().unwrap_or_default();
+    let rlimits = p
+        .rlimits()
+        .iter()
+        .flatten()
+        .map(|l| crate::sandbox::api::Rlimit {
+            kind: l.typ().to_string(),
+            soft: l.soft(),
+            hard: l.hard(),
+        })
+        .collect();
+    (groups, rlimits)
 }
 
 /// Capability names, by number (include/uapi/linux/capability.h).
@@ -324,6 +346,7 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         .iter()
         .map(|e| String::from_utf8_lossy(e).into_owned())
         .collect();
+    let (groups, rlimits) = groups_and_rlimits(proc);
     Ok(Bundle {
         cfg,
         state,
@@ -332,6 +355,8 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
             terminal: proc.terminal().unwrap_or(false),
             env: process_env,
             capabilities: capabilities(proc)?,
+            groups,
+            rlimits,
         },
         annotations,
     })

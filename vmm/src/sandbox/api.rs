@@ -92,6 +92,21 @@ pub struct ExecRequest {
     /// a command of another uid has none).
     #[serde(default)]
     pub capabilities: Option<u64>,
+    /// Supplementary groups (default: none).
+    #[serde(default)]
+    pub groups: Vec<u32>,
+    /// Resource limits (default: the sandbox's).
+    #[serde(default)]
+    pub rlimits: Vec<Rlimit>,
+}
+
+/// A resource limit, in OCI's form: `{"type": "RLIMIT_NOFILE", "soft": 1024, "hard": 4096}`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Rlimit {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub soft: u64,
+    pub hard: u64,
 }
 
 /// A terminal's window.
@@ -378,6 +393,8 @@ mod tests {
                 tty: None,
                 clear_env: false,
                 capabilities: None,
+                groups: vec![],
+                rlimits: vec![],
             }
         );
         let s: StopRequest = serde_json::from_str("{}").unwrap();

@@ -271,6 +271,8 @@ impl Sandbox {
             tty: None,
             clear_env: false,
             capabilities: None,
+            groups: vec![],
+            rlimits: vec![],
         })?;
         let mut out = Output {
             status: 0,

@@ -40,6 +40,8 @@ pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
         tty,
         clear_env: args.clear_env,
         capabilities: args.capabilities,
+        groups: args.groups,
+        rlimits: args.rlimits,
     })?;
     // Raw mode on the caller's terminal while the command has one of its own (restored when
     // this returns), and its window size kept up to date.

@@ -57,6 +57,8 @@ pub(crate) fn script_exec(script: &str, args: &[&str], stdin: bool) -> ExecReque
         tty: None,
         clear_env: false,
         capabilities: None,
+        groups: vec![],
+        rlimits: vec![],
     }
 }
 

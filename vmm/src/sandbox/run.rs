@@ -70,6 +70,8 @@ pub fn run_with_tty(args: RunArgs) -> Result<u8, SandboxError> {
         sandbox: id.clone(),
         clear_env: false,
         capabilities: None,
+        groups: Vec::new(),
+        rlimits: Vec::new(),
         command,
     });
     let sb = Sandbox::open(&id)?;

@@ -18,8 +18,6 @@
 
 use super::api::{self, ExecRequest, StopRequest, EXEC_UPGRADE};
 use super::http::{self, parse_body, reply_error, reply_json};
-
-mod archive;
 use super::{io_err, now, write_state, Config, Info, SandboxError};
 use crate::cli::CreateArgs;
 use crate::config::RunConfig;
@@ -38,6 +36,8 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio::sync::{mpsc, oneshot, watch};
+
+mod archive;
 
 /// How long a guest may take from the VMM's start to Ready.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -750,10 +750,34 @@ fn stop(sup: &Arc<Sup>, grace: u32) {
     });
 }
 
+/// An exec's resource limits as numbers, or what is wrong with one.
+fn rlimits(limits: &[api::Rlimit]) -> Result<Vec<(u32, u64, u64)>, String> {
+    limits
+        .iter()
+        .map(|l| {
+            let n = guest_init::protocol::rlimit_number(&l.kind)
+                .ok_or_else(|| format!("the resource limit {:?} is unknown", l.kind))?;
+            if l.soft > l.hard {
+                return Err(format!(
+                    "the resource limit {}: soft {} is above hard {}",
+                    l.kind, l.soft, l.hard
+                ));
+            }
+            Ok((n, l.soft, l.hard))
+        })
+        .collect()
+}
+
 /// The exec spec of `req` on top of the sandbox's defaults, or what is wrong with it.
 fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> {
     if req.argv.is_empty() {
         return Err("an exec needs a command (argv is empty)".into());
+    }
+    if req.groups.len() > guest_init::protocol::MAX_GROUPS {
+        return Err(format!(
+            "{} supplementary groups: too many",
+            req.groups.len()
+        ));
     }
     let info = sup.snapshot();
     let user = req.user.as_deref().unwrap_or(&info.config.user);
@@ -792,6 +816,8 @@ fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> 
         stdin: req.stdin,
         tty: req.tty.map(|t| (t.rows, t.cols)),
         caps: req.capabilities,
+        groups: req.groups.clone(),
+        rlimits: rlimits(&req.rlimits)?,
     };
     let len = spec.encode().len();
     if len > guest_init::protocol::MAX_SPEC_LEN {
