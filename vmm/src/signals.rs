@@ -69,6 +69,28 @@ impl Signals {
         }
         Ok(Some(info.ssi_signo as libc::c_int))
     }
+
+    /// Block until a signal comes; it.
+    pub fn wait(&self) -> io::Result<libc::c_int> {
+        loop {
+            let mut pfd = libc::pollfd {
+                fd: self.fd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll(2) on one valid pollfd for the duration of the call.
+            if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+                continue;
+            }
+            if let Some(sig) = self.next()? {
+                return Ok(sig);
+            }
+        }
+    }
 }
 
 impl AsRawFd for Signals {

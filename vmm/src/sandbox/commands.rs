@@ -5,7 +5,6 @@ use super::client::{Event, Sandbox};
 use super::{Info, SandboxError};
 use crate::cli::ExecArgs;
 use std::io::{Read, Write};
-use std::os::fd::AsRawFd;
 
 /// `amvm exec`: the command's exit status.
 pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
@@ -69,17 +68,8 @@ pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
         });
     }
     let tx = stream.sender();
-    std::thread::spawn(move || loop {
-        let mut pfd = libc::pollfd {
-            fd: signals.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: poll(2) on one valid pollfd for the duration of the call.
-        if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
-            continue;
-        }
-        while let Ok(Some(sig)) = signals.next() {
+    std::thread::spawn(move || {
+        while let Ok(sig) = signals.wait() {
             if tx.signal(sig as u8).is_err() {
                 return;
             }

@@ -79,22 +79,8 @@ pub fn serve(socket: Option<PathBuf>) -> Result<(), SandboxError> {
     // SIGINT, SIGTERM or SIGHUP ends the server: a thread waits for them on the signalfd.
     let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
     std::thread::spawn(move || {
-        use std::os::fd::AsRawFd;
-        loop {
-            let mut pfd = libc::pollfd {
-                fd: signals.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: poll(2) on one valid pollfd for the duration of the call.
-            if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
-                continue;
-            }
-            if let Ok(Some(_)) = signals.next() {
-                let _ = stop_tx.send(());
-                return;
-            }
-        }
+        let _ = signals.wait();
+        let _ = stop_tx.send(());
     });
     eprintln!(
         "amvm: serving this user's sandboxes on {}",
