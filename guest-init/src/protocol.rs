@@ -45,7 +45,9 @@
 //! Exec spec layout: magic [`EXEC_MAGIC`], `id: u64`, `uid: u32`, `gid: u32`, `flags: u32`
 //! (bit 0: stdin, bit 1: a terminal, bit 2: a capability set), `rows: u16`, `cols: u16` (the
 //! terminal's first window size), `caps: u64` (with bit 2: the capabilities a uid-0 process
-//! keeps, bit N for capability N), `cwd: bytes`, `argv: list`, `env: list`. A terminal exec's output is all Stdout (its
+//! keeps, bit N for capability N), `cwd: bytes`, `argv: list`, `env: list`; with bit 3, then
+//! `groups` (`u32` count, a `u32` each: supplementary groups) and `rlimits` (`u32` count, then
+//! `resource: u32`, `soft: u64`, `hard: u64` each). A terminal exec's output is all Stdout (its
 //! stdout and stderr are the terminal).
 //!
 //! The API's exec streams (`amvm exec` <-> the sandbox's supervisor) use the same frames: the

@@ -274,6 +274,18 @@ def spec(argv=(b"sh", b"-c", b"echo hi"), env=(b"PATH=/usr/bin",), cwd=b"/",
             u32(len(cwd)) + cwd + lst(argv) + lst(env) + lst(mounts) + lst(files) + lst(tmpfs))
 
 
+def exec_spec(groups=(10, 4242), rlimits=((7, 321, 654),)):
+    """An exec spec (guest-init/src/protocol.rs, ExecSpec): stdin, a 24x80 terminal, capabilities,
+    and (flag 8) supplementary groups and resource limits."""
+    def lst(items):
+        return u32(len(items)) + b"".join(u32(len(i)) + i for i in items)
+
+    extra = u32(len(groups)) + b"".join(u32(g) for g in groups)
+    extra += u32(len(rlimits)) + b"".join(u32(r) + u64(s) + u64(h) for r, s, h in rlimits)
+    return (b"AMVMEXE2" + u64(7) + u32(1000) + u32(1000) + u32(1 | 2 | 4 | 8) + u16(24) + u16(80) +
+            u64(1 << 21) + u32(1) + b"/" + lst([b"sh", b"-c", b"ulimit -n"]) + lst([b"A=1"]) + extra)
+
+
 def frame(kind, payload):
     return u8(kind) + u32(len(payload)) + payload
 
@@ -286,6 +298,10 @@ def control_frames():
     seeds["to_host_garbage"] = u8(0) + u8(0) + frame(1, b"ok") + frame(0xEE, b"bad") + out
     seeds["to_guest"] = u8(1) + u8(1) + u16(7) + frame(16, spec()) + frame(17, b"\x0f")
     seeds["spec"] = u8(2) + u8(0) + spec()
+    # A session: the Exec frame with its spec, a resize and a signal for it, then Shutdown.
+    seeds["session_to_guest"] = (u8(1) + u8(0) + frame(18, exec_spec()) + frame(21, u64(7) + u16(30) + u16(100))
+                                 + frame(19, u64(7) + u8(2)) + frame(20, u32(10)))
+    seeds["exec_spec"] = u8(4) + u8(0) + exec_spec()
     return seeds
 
 
