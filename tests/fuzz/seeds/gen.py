@@ -266,12 +266,16 @@ def desc_chain():
 def spec(argv=(b"sh", b"-c", b"echo hi"), env=(b"PATH=/usr/bin",), cwd=b"/",
          mounts=(b"system\0/usr",), files=(b"f/etc/hosts\x00127.0.0.1 localhost\n",
                                              b"l/etc/mtab\x00/proc/mounts"),
-         tmpfs=(b"/scratch\x00size=1m,noexec",)):
+         tmpfs=(b"/scratch\x00size=1m,noexec",), root=b"", hostname=b"box", flags=3):
+    """A run spec (guest-init/src/protocol.rs, RunSpec, SPEC_MAGIC's layout)."""
     def lst(items):
         return u32(len(items)) + b"".join(u32(len(i)) + i for i in items)
 
-    return (b"AMVMSPC6" + u32(1000) + u32(1000) + u32(3) + u32(4096) +
-            u32(len(cwd)) + cwd + lst(argv) + lst(env) + lst(mounts) + lst(files) + lst(tmpfs))
+    def byt(b):
+        return u32(len(b)) + b
+
+    return (b"AMVMSPC8" + u32(1000) + u32(1000) + u32(flags) + u32(4096) + byt(cwd) + byt(root) +
+            byt(hostname) + lst(argv) + lst(env) + lst(mounts) + lst(files) + lst(tmpfs))
 
 
 def exec_spec(groups=(10, 4242), rlimits=((7, 321, 654),)):
@@ -298,6 +302,9 @@ def control_frames():
     seeds["to_host_garbage"] = u8(0) + u8(0) + frame(1, b"ok") + frame(0xEE, b"bad") + out
     seeds["to_guest"] = u8(1) + u8(1) + u16(7) + frame(16, spec()) + frame(17, b"\x0f")
     seeds["spec"] = u8(2) + u8(0) + spec()
+    # A session's spec (flag 4): no command; and a container's, with a root.
+    seeds["session_spec"] = u8(2) + u8(0) + spec(argv=(), flags=4)
+    seeds["rootfs_spec"] = u8(2) + u8(0) + spec(root=b"/rootfs", mounts=(b"rootfs\0/rootfs\0w",))
     # A session: the Exec frame with its spec, a resize and a signal for it, then Shutdown.
     seeds["session_to_guest"] = (u8(1) + u8(0) + frame(18, exec_spec()) + frame(21, u64(7) + u16(30) + u16(100))
                                  + frame(19, u64(7) + u8(2)) + frame(20, u32(10)))
