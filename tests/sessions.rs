@@ -97,6 +97,17 @@ impl World {
             .collect()
     }
 
+    /// `amvm ls --json` lists no sandbox.
+    fn none_listed(&self) {
+        let ls = self.amvm(&["ls", "--json"]);
+        assert_eq!(
+            (ls.code, ls.stdout_str().trim()),
+            (0, "[]"),
+            "{}",
+            ls.stderr
+        );
+    }
+
     fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.xdg.join("amvm").join(id)
     }
@@ -558,6 +569,18 @@ fn workspace(name: &str, files: &[(&str, &str)]) -> (PathBuf, PathBuf) {
     (base, ws)
 }
 
+/// `cp -a DIR DEST`: DEST.
+fn copy_of(dir: &Path, dest: &Path) -> PathBuf {
+    let cp = Command::new("cp")
+        .arg("-a")
+        .arg(dir)
+        .arg(dest)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    dest.to_path_buf()
+}
+
 #[test]
 fn an_overlay_workspace_keeps_writes_in_the_sandbox_until_diff_and_commit() {
     let w = World::new("overlay");
@@ -612,14 +635,7 @@ fn an_overlay_workspace_keeps_writes_in_the_sandbox_until_diff_and_commit() {
     assert_eq!(tree(&ws), before, "diff changes nothing");
 
     // commit applies them to a copy of DIR, which then holds what the guest saw.
-    let copy = base.join("copy");
-    let cp = Command::new("cp")
-        .arg("-a")
-        .arg(&ws)
-        .arg(&copy)
-        .status()
-        .unwrap();
-    assert!(cp.success());
+    let copy = copy_of(&ws, &base.join("copy"));
     let out = w.amvm(&["commit", &id, copy.to_str().unwrap()]);
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_eq!(
@@ -753,13 +769,7 @@ fn bad_input_gets_one_line_and_changes_nothing() {
         assert_eq!(out.code, 125, "{args:?}: {}", out.stderr);
         assert!(one_line(&out).contains(why), "{args:?}: {}", out.stderr);
     }
-    let ls = w.amvm(&["ls", "--json"]);
-    assert_eq!(
-        (ls.code, ls.stdout_str().trim()),
-        (0, "[]"),
-        "{}",
-        ls.stderr
-    );
+    w.none_listed();
 }
 
 #[test]
@@ -1208,14 +1218,7 @@ fn run_t_gives_a_terminal_writes_its_changes_and_leaves_no_sandbox() {
     assert_eq!(lines[1..3], ["33 91", "READY"], "{text:?}");
     assert!(text.ends_with("hello\ngot:hello\n"), "{text:?}");
     // The changes: the typed line in a new file, applied to a copy of the workspace.
-    let copy = base.join("copy");
-    let cp = Command::new("cp")
-        .arg("-a")
-        .arg(&ws)
-        .arg(&copy)
-        .status()
-        .unwrap();
-    assert!(cp.success());
+    let copy = copy_of(&ws, &base.join("copy"));
     let applied = w.amvm(&["apply", changes.to_str().unwrap(), copy.to_str().unwrap()]);
     assert_eq!(applied.code, 0, "{}", applied.stderr);
     assert_eq!(
@@ -1226,13 +1229,7 @@ fn run_t_gives_a_terminal_writes_its_changes_and_leaves_no_sandbox() {
         !ws.join("typed").exists(),
         "the workspace itself is untouched"
     );
-    let ls = w.amvm(&["ls", "--json"]);
-    assert_eq!(
-        (ls.code, ls.stdout_str().trim()),
-        (0, "[]"),
-        "{}",
-        ls.stderr
-    );
+    w.none_listed();
     no_process_with(ws.to_str().unwrap());
 
     // --timeout: 124 and the run's own line, whether it runs out while the VM boots or while
@@ -1256,13 +1253,7 @@ fn run_t_gives_a_terminal_writes_its_changes_and_leaves_no_sandbox() {
             "{out:?}"
         );
     }
-    let ls = w.amvm(&["ls", "--json"]);
-    assert_eq!(
-        (ls.code, ls.stdout_str().trim()),
-        (0, "[]"),
-        "{}",
-        ls.stderr
-    );
+    w.none_listed();
     // What a sandbox cannot do with -t is refused before anything starts.
     let out = w.amvm(&["run", "-t", "--console", "--", "true"]);
     assert_eq!(out.code, 125);
