@@ -277,6 +277,13 @@ fn no_backend_survives_a_timeout_sigterm_or_sigkill_of_amvm() {
         assert_eq!(unsafe { libc::kill(pid as i32, sig) }, 0);
         let status = child.wait().unwrap();
         assert_eq!(status.code(), want, "{status:?}");
+        if sig == libc::SIGKILL {
+            // A run is a sandbox: one killed outright leaves its state directory (amvm ls
+            // shows it dead), which the next run removes.
+            let left = amvm_tests::leftovers::sandboxes_naming(ws.path());
+            assert_eq!(left.len(), 1, "{left:?}");
+            run_and_check(&ws, &[], &["true"], 0);
+        }
         nothing_left(&ws, pid);
     }
 }

@@ -121,6 +121,9 @@ fn inspect_running_vm(wrap: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Se
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    // amvm run is a sandbox made for the command: its VMM is the sandbox supervisor's child.
+    let run_pid = pid;
+    let pid = amvm_tests::leftovers::vmm_of(run_pid);
     let p = pid.to_string();
     let seen = Seen {
         threads: threads(pid),
@@ -167,15 +170,9 @@ fn inspect_running_vm(wrap: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Se
 
 fn assert_confined(seen: &Seen) {
     let names: Vec<&str> = seen.threads.iter().map(|(n, _)| n.as_str()).collect();
-    for expected in [
-        "amvm",
-        "vcpu0",
-        "vsock",
-        "control",
-        "control-tx",
-        "stdin",
-        "virtiofsd-err",
-    ] {
+    // A run is a sandbox's VMM: the control and exec streams are its supervisor's, which the
+    // event loop ("vsock") connects to guest.sock, so there are no control or stdin threads.
+    for expected in ["amvm", "vcpu0", "vsock", "virtiofsd-err"] {
         assert!(
             names.contains(&expected),
             "no {expected} thread among {names:?}"
@@ -211,9 +208,17 @@ fn assert_confined(seen: &Seen) {
     );
     assert_eq!(seen.interfaces, ["lo"], "amvm's network namespace");
     // Issue 26: the host's tree is gone from amvm's mount namespace; its root holds only the
-    // egress socket.
-    assert_eq!(seen.root, ["egress.sock"], "amvm's root directory");
-    assert_eq!(seen.mounts, ["/", "/egress.sock"], "amvm's mounts");
+    // egress socket and its supervisor's guest socket.
+    assert_eq!(
+        seen.root,
+        ["egress.sock", "guest.sock"],
+        "amvm's root directory"
+    );
+    assert_eq!(
+        seen.mounts,
+        ["/", "/egress.sock", "/guest.sock"],
+        "amvm's mounts"
+    );
 }
 
 #[test]

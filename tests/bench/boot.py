@@ -68,6 +68,19 @@ def rss_fields(pid):
     return out if len(out) == 3 else None
 
 
+def grandchild(pid):
+    """The first child of pid's first child (amvm run -> its sandbox's supervisor -> the VMM)."""
+    def children(p):
+        try:
+            return [int(c) for c in open(f"/proc/{p}/task/{p}/children").read().split()]
+        except OSError:
+            return []
+    for c in children(pid):
+        for g in children(c):
+            return g
+    return None
+
+
 def vmm_memory(argv, settle_s=3.0):
     """Run argv (a workload that prints a line, then sleeps), sampling the VMM's RSS every
     20 ms. Guest RAM is a shared memfd mapping (RssShmem); the VMM's own memory is the rest
@@ -80,8 +93,11 @@ def vmm_memory(argv, settle_s=3.0):
     threading.Thread(target=lambda: (p.stdout.readline(), ready.append(time.perf_counter()), p.stdout.read()),
                      daemon=True).start()
     samples = []
+    vmm = None
     while p.poll() is None:
-        f = rss_fields(p.pid)
+        # amvm run is a sandbox made for the command: the VMM is its supervisor's child.
+        vmm = vmm or grandchild(p.pid)
+        f = rss_fields(vmm) if vmm else None
         if f:
             samples.append((time.perf_counter(), f["RssAnon"] + f["RssFile"], f["RssShmem"], f["RssAnon"]))
         time.sleep(0.02)
@@ -222,7 +238,7 @@ def main():
     runs = max(1, min(a.runs, 3))
     mem = [vmm_memory([a.amvm, "run", "--mem", "512", "--kernel", a.kernel, "--", "sh", "-c", "echo up; sleep 5"])
            for _ in range(runs)]
-    print(f"\nVMM memory, amvm run --mem 512 -- sh -c 'echo up; sleep 5', {runs} runs (own = RssAnon + RssFile of the amvm "
+    print(f"\nVMM memory, amvm run --mem 512 -- sh -c 'echo up; sleep 5', {runs} runs (own = RssAnon + RssFile of the VMM "
           f"process; guest RAM is its shared memfd, RssShmem)")
     print(f"{'':34} {'median MiB':>10} {'min':>7} {'max':>7}")
     for label, i in (("VMM own memory, peak", 0), ("VMM own memory, steady", 1),

@@ -196,8 +196,9 @@ pub mod leftovers {
         found
     }
 
-    /// Within a few seconds, no process mentions `workspace` (its virtiofsd) and no socket
-    /// directory of amvm `pid` exists.
+    /// Within a few seconds, no process mentions `workspace` (its virtiofsd), no sandbox
+    /// state directory (a run is a sandbox) names it, and no socket directory of amvm `pid`
+    /// (the run's process) nor of any VMM that has ended exists.
     pub fn nothing_left(workspace: &str, pid: u32) {
         let until = Instant::now() + Duration::from_secs(10);
         loop {
@@ -207,15 +208,75 @@ pub mod leftovers {
                 .filter_map(|d| std::fs::read_dir(d).ok())
                 .flat_map(|r| r.flatten().map(|e| e.path()))
                 .filter(|p| {
-                    p.file_name()
-                        .is_some_and(|n| n.to_string_lossy().starts_with(&format!("amvm-{pid}-")))
+                    let Some(n) = p.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+                        return false;
+                    };
+                    // amvm-PID-NONCE: a VMM's private socket directory.
+                    let owner = n
+                        .strip_prefix("amvm-")
+                        .and_then(|r| r.split_once('-'))
+                        .and_then(|(p, _)| p.parse::<u32>().ok());
+                    owner.is_some_and(|o| {
+                        o == pid || !std::path::Path::new(&format!("/proc/{o}")).exists()
+                    })
                 })
                 .collect();
-            if procs.is_empty() && dirs.is_empty() {
+            let sandboxes = sandboxes_naming(workspace);
+            if procs.is_empty() && dirs.is_empty() && sandboxes.is_empty() {
                 return;
             }
-            assert!(Instant::now() < until, "left behind: {procs:?} {dirs:?}");
+            assert!(
+                Instant::now() < until,
+                "left behind: {procs:?} {dirs:?} {sandboxes:?}"
+            );
             std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// The sandbox state directories (of any user amvm's base directories) whose state.json
+    /// mentions `needle`.
+    pub fn sandboxes_naming(needle: &str) -> Vec<PathBuf> {
+        let mut bases = vec![PathBuf::from("/run/amvm")];
+        if let Ok(x) = std::env::var("XDG_RUNTIME_DIR") {
+            bases.push(PathBuf::from(x).join("amvm"));
+        }
+        for d in [std::env::temp_dir(), PathBuf::from("/run/user")] {
+            for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if n.starts_with("amvm-") && n[5..].parse::<u32>().is_ok() {
+                    bases.push(e.path());
+                } else if n.parse::<u32>().is_ok() {
+                    bases.push(e.path().join("amvm"));
+                }
+            }
+        }
+        bases
+            .iter()
+            .filter_map(|b| std::fs::read_dir(b).ok())
+            .flat_map(|r| r.flatten().map(|e| e.path()))
+            .filter(|d| {
+                std::fs::read_to_string(d.join("state.json")).is_ok_and(|s| s.contains(needle))
+            })
+            .collect()
+    }
+
+    /// The pid of the VMM under `amvm run` process `run` (its sandbox's supervisor's child),
+    /// waiting up to 10 s for it.
+    pub fn vmm_of(run: u32) -> u32 {
+        let children = |p: u32| -> Vec<u32> {
+            std::fs::read_to_string(format!("/proc/{p}/task/{p}/children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|c| c.parse().ok())
+                .collect()
+        };
+        let until = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(v) = children(run).into_iter().flat_map(children).next() {
+                return v;
+            }
+            assert!(Instant::now() < until, "amvm run {run} has no VMM");
+            std::thread::sleep(Duration::from_millis(50));
         }
     }
 }

@@ -374,8 +374,14 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
         .iter()
         .find_map(|r| r.as_ref().err().map(ToString::to_string));
     let report = report.lock().unwrap_or_else(|p| p.into_inner());
-    if cfg.session.is_some() && failure.is_none() && reset_evt.0.read().is_ok() {
-        // A session ends with guest-init's reboot once its supervisor said stop (or left).
+    let reset = reset_evt.0.read().is_ok();
+    if cfg.session.is_some()
+        && failure.is_none()
+        && reset
+        && !console.tail().contains(crate::output::PANIC_MARK)
+    {
+        // A session ends with guest-init's reboot once its supervisor said stop (or left);
+        // a kernel panic resets too (panic=-1), and is reported below as a run's is.
         return Ok(0);
     }
     match (report.exit, failure) {
@@ -390,7 +396,6 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
         }),
         (None, None) => {
             let console = console.tail();
-            let reset = reset_evt.0.read().is_ok();
             let stop = stops.iter().find_map(|r| r.as_ref().ok());
             Err(RunError::NoStatus {
                 how: how_it_stopped(reset, stop, &console),

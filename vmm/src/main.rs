@@ -1,9 +1,9 @@
-//! `amvm`: parse the command line, build one config, run one VM, exit with its status.
+//! `amvm`: parse the command line and run the subcommand (a run: `sandbox::run`).
 //! amvm's own failures exit 125 with one line on stderr; a timeout exits 124; a signal that
 //! ends the run before the workload does exits 128+N.
 
 use amvm::cli::{Cli, Command, ImageCommand};
-use amvm::{builder, exit};
+use amvm::exit;
 use clap::Parser;
 use std::io::Write;
 use std::process::ExitCode;
@@ -44,57 +44,52 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => return usage_error(e),
     };
-    let args = match cli.command {
-        Command::Run(args) if args.tty => {
-            return sandbox_result(amvm::sandbox::run::run_with_tty(*args).map(|code| {
-                let _ = std::io::stdout().flush();
-                ExitCode::from(code)
-            }))
-        }
-        Command::Run(args) => *args,
-        Command::Image(cmd) => return image(cmd),
-        Command::Apply(args) => return apply(args),
+    match cli.command {
+        Command::Run(args) => sandbox_result(amvm::sandbox::run::run(*args).map(|code| {
+            let _ = std::io::stdout().flush();
+            ExitCode::from(code)
+        })),
+        Command::Image(cmd) => image(cmd),
+        Command::Apply(args) => apply(args),
         Command::Changes(args) => {
             let mut out = std::io::stdout().lock();
-            return match amvm::changes::diff::print(&args.changes, args.base.as_deref(), &mut out) {
+            match amvm::changes::diff::print(&args.changes, args.base.as_deref(), &mut out) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("amvm: changes: {e}");
                     ExitCode::from(exit::AMVM_FAILURE)
                 }
-            };
+            }
         }
         Command::Create(args) => {
-            return sandbox_result(amvm::sandbox::supervisor::create(*args).map(|id| {
+            sandbox_result(amvm::sandbox::supervisor::create(*args).map(|id| {
                 println!("{id}");
                 ExitCode::SUCCESS
             }))
         }
         Command::Serve { socket } => {
-            return sandbox_result(amvm::sandbox::serve::serve(socket).map(|()| ExitCode::SUCCESS))
+            sandbox_result(amvm::sandbox::serve::serve(socket).map(|()| ExitCode::SUCCESS))
         }
-        Command::Exec(args) => {
-            return sandbox_result(amvm::sandbox::commands::exec(args).map(|code| {
-                let _ = std::io::stdout().flush();
-                ExitCode::from(code)
-            }))
-        }
+        Command::Exec(args) => sandbox_result(amvm::sandbox::commands::exec(args).map(|code| {
+            let _ = std::io::stdout().flush();
+            ExitCode::from(code)
+        })),
         Command::Cp { src, dest } => {
             let r = amvm::sandbox::copy::cli(&src, &dest);
-            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+            sandbox_result(r.map(|()| ExitCode::SUCCESS))
         }
         Command::Diff { sandbox } => {
             let r = amvm::sandbox::commands::diff(&sandbox, &mut std::io::stdout().lock());
-            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+            sandbox_result(r.map(|()| ExitCode::SUCCESS))
         }
         Command::Commit { sandbox, dir } => {
             let r = amvm::sandbox::commands::commit(&sandbox, &dir);
-            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+            sandbox_result(r.map(|()| ExitCode::SUCCESS))
         }
         Command::Oci { .. } => unreachable!("dispatched before parsing"),
         Command::Ls { json } => {
             let r = amvm::sandbox::commands::ls(json, &mut std::io::stdout().lock());
-            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+            sandbox_result(r.map(|()| ExitCode::SUCCESS))
         }
         Command::Inspect { sandbox } => {
             let r = amvm::sandbox::client::Sandbox::open(&sandbox)
@@ -102,14 +97,14 @@ fn main() -> ExitCode {
                 .and_then(|i| {
                     amvm::sandbox::commands::print_info(&i, &mut std::io::stdout().lock())
                 });
-            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+            sandbox_result(r.map(|()| ExitCode::SUCCESS))
         }
         Command::Stop { time, sandbox } => {
             let r = amvm::sandbox::client::Sandbox::open(&sandbox).and_then(|sb| sb.stop(time));
-            return sandbox_result(r.map(|i| {
+            sandbox_result(r.map(|i| {
                 println!("{}", i.id);
                 ExitCode::SUCCESS
-            }));
+            }))
         }
         Command::Wait { sandbox } => {
             let r = amvm::sandbox::client::Sandbox::open(&sandbox)
@@ -117,82 +112,22 @@ fn main() -> ExitCode {
                 .and_then(|i| {
                     amvm::sandbox::commands::print_info(&i, &mut std::io::stdout().lock())
                 });
-            return sandbox_result(r.map(|()| ExitCode::SUCCESS));
+            sandbox_result(r.map(|()| ExitCode::SUCCESS))
         }
         Command::Rm { force, sandboxes } => {
-            return if amvm::sandbox::commands::rm(force, &sandboxes) {
+            if amvm::sandbox::commands::rm(force, &sandboxes) {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(exit::AMVM_FAILURE)
-            };
+            }
         }
         Command::Doctor => {
             let ok = amvm::doctor::run(&mut std::io::stdout().lock());
-            return if ok {
+            if ok {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::from(1)
-            };
-        }
-    };
-    let timeline = builder::Timeline::start();
-    let mut cfg = match args.into_config() {
-        Ok(cfg) => cfg,
-        Err(e) => {
-            eprintln!("amvm: {:#}", anyhow::Error::from(e));
-            return ExitCode::from(exit::AMVM_FAILURE);
-        }
-    };
-    timeline.mark("configuration built");
-    let code = match cfg.overlay.clone() {
-        None => vmm(&cfg, &timeline),
-        Some(mut ov) => {
-            // An overlay run: this process supervises the VMM and then writes the changes
-            // (overlay.rs).
-            let scratch = match amvm::overlay::make_scratch(&ov) {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("amvm: {e}");
-                    return ExitCode::from(exit::AMVM_FAILURE);
-                }
-            };
-            ov.scratch = Some(scratch.clone());
-            cfg.overlay = Some(ov.clone());
-            let code = amvm::overlay::supervise(|| vmm(&cfg, &timeline)).unwrap_or_else(|e| {
-                eprintln!("amvm: {e}");
-                exit::AMVM_FAILURE
-            });
-            match amvm::overlay::finish(&ov, &scratch) {
-                Ok(Some(r)) => tracing::debug!(
-                    "changes: {} entries, {} whiteouts, {} bytes of data",
-                    r.entries,
-                    r.whiteouts,
-                    r.data_bytes
-                ),
-                Ok(None) => {}
-                Err(e) => {
-                    eprintln!("amvm: {e}");
-                    return ExitCode::from(exit::AMVM_FAILURE);
-                }
             }
-            code
-        }
-    };
-    let _ = std::io::stdout().flush();
-    ExitCode::from(code)
-}
-
-/// Boot the VM of `cfg`, run its workload: the workload's status, or amvm's own.
-fn vmm(cfg: &amvm::config::RunConfig, timeline: &builder::Timeline) -> u8 {
-    match builder::run(cfg, timeline) {
-        Ok(code) => {
-            timeline.mark("run returned (its resources released)");
-            code
-        }
-        Err(e) => {
-            let code = e.exit_code();
-            eprintln!("amvm: {:#}", anyhow::Error::from(e));
-            code
         }
     }
 }

@@ -7,10 +7,11 @@
 //! writable. Whatever the guest writes is in the upper directory on the host as soon as
 //! virtiofsd has written it, so a guest that crashes loses nothing it had written.
 //!
-//! A run with an overlay is two processes: this one stays outside the VMM's confinement as a
-//! supervisor, forks the VMM (which jails itself as in any run), waits for it, then writes the
-//! upper directory as a layer to `--changes FILE` (changes/layer.rs) and removes the scratch
-//! directory. Signals sent to the supervisor are passed to the VMM.
+//! The scratch directory is made by the sandbox's supervisor (sandbox/supervisor.rs; a run is a
+//! sandbox too), which stays outside the VMM's confinement and forks the VMM (which jails
+//! itself). `amvm run --changes FILE` writes the upper directory as a layer to FILE
+//! (changes/layer.rs, [`write_changes`]) once its command ended; `amvm diff` and `commit` read
+//! it while the sandbox lives; `amvm rm` removes the scratch directory.
 //!
 //! `--overlay-size SIZE` caps the upper layer: the supervisor enters a private mount namespace
 //! of its own (jail::unshare_as_self) and mounts a tmpfs of SIZE on the scratch directory before
@@ -25,7 +26,6 @@ use std::ffi::CString;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, Ordering};
 
 #[derive(Debug, thiserror::Error)]
 pub enum OverlayError {
@@ -47,8 +47,6 @@ pub enum OverlayError {
     },
     #[error("--overlay-size: this kernel's tmpfs holds no user extended attributes, which overlayfs needs for a user other than root ({0}): use Linux 6.6 or later, run amvm as root, or leave out --overlay-size")]
     CapXattr(io::Error),
-    #[error("starting the VMM process: {0}")]
-    Fork(io::Error),
     #[error("writing the changes to {0}: {1} (the upper layer is kept in {2})")]
     Changes(PathBuf, LayerError, PathBuf),
     #[error("writing the changes to {0}: {1} (the upper layer is kept in {2})")]
@@ -225,91 +223,6 @@ fn mount_nosuid(fs: &std::ffi::CStr, target: &Path, data: &str) -> io::Result<()
         return Err(io::Error::last_os_error());
     }
     Ok(())
-}
-
-/// The VMM's pid, for the supervisor's signal handler.
-static VMM_PID: AtomicI32 = AtomicI32::new(0);
-
-/// Pass a signal sent to the supervisor by a process (`kill PID`) on to the VMM. One the
-/// kernel sent (a terminal's Ctrl-C or hangup, which reached the whole foreground process group
-/// and so the VMM too) is not passed on: the VMM would count it twice.
-extern "C" fn pass_on(sig: libc::c_int, info: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    // SAFETY: the kernel hands an SA_SIGINFO handler a valid siginfo_t.
-    let code = unsafe { (*info).si_code };
-    let pid = VMM_PID.load(Ordering::Relaxed);
-    if pid > 0 && code <= 0 {
-        // SAFETY: kill(2) is async-signal-safe; plain integers.
-        unsafe { libc::kill(pid, sig) };
-    }
-}
-
-/// Run `vmm` in a child process and return its exit status as amvm's (128+N for a signal).
-/// SIGINT, SIGTERM and SIGHUP sent to the supervisor are passed on to the child ([`pass_on`]).
-pub fn supervise(vmm: impl FnOnce() -> u8) -> Result<u8, OverlayError> {
-    let supervisor = std::process::id();
-    // SAFETY: fork(2) from amvm's main thread before it started any other thread; the child
-    // continues as an ordinary single-threaded process.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(OverlayError::Fork(io::Error::last_os_error()));
-    }
-    if pid == 0 {
-        // The VMM dies with its supervisor (which alone writes the changes and cleans up): a
-        // supervisor killed outright leaves no VM running, and the upper layer stays on disk.
-        // SAFETY: prctl(2) with integer arguments.
-        unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) };
-        // The supervisor may have died before that took effect.
-        if std::os::unix::process::parent_id() != supervisor {
-            // SAFETY: as below.
-            unsafe { libc::_exit(i32::from(crate::exit::AMVM_FAILURE)) };
-        }
-        let code = vmm();
-        use std::io::Write;
-        let _ = io::stdout().flush();
-        // SAFETY: _exit(2) ends the child with its status; nothing of the parent's runs.
-        unsafe { libc::_exit(i32::from(code)) };
-    }
-    VMM_PID.store(pid, Ordering::Relaxed);
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        // SAFETY: sigaction is plain data; all zeroes is a valid value.
-        let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
-        sa.sa_sigaction =
-            pass_on as extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) as usize;
-        sa.sa_flags = libc::SA_RESTART | libc::SA_SIGINFO;
-        // SAFETY: sigaction(2) with a handler that only calls kill(2).
-        unsafe { libc::sigaction(sig, &sa, std::ptr::null_mut()) };
-    }
-    let mut status = 0;
-    loop {
-        // SAFETY: waitpid(2) for our child into a local.
-        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
-        if r == pid {
-            break;
-        }
-        if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return Err(OverlayError::Fork(io::Error::last_os_error()));
-        }
-    }
-    Ok(if libc::WIFEXITED(status) {
-        libc::WEXITSTATUS(status) as u8
-    } else if libc::WIFSIGNALED(status) {
-        (128 + libc::WTERMSIG(status)) as u8
-    } else {
-        crate::exit::AMVM_FAILURE
-    })
-}
-
-/// After the VMM ended: the upper layer as `--changes FILE` (written beside it, then renamed
-/// into place), then the scratch directory removed. When writing fails the scratch directory
-/// is kept and the error says where.
-pub fn finish(ov: &Overlay, scratch: &Path) -> Result<Option<LayerReport>, OverlayError> {
-    let report = ov
-        .changes
-        .as_ref()
-        .map(|file| write_changes(scratch, file))
-        .transpose()?;
-    remove_scratch(scratch);
-    Ok(report)
 }
 
 /// Write the upper directory of `scratch` as a layer to `file`: beside it (the same

@@ -73,13 +73,36 @@ impl Signals {
     /// Block until a signal comes; it.
     pub fn wait(&self) -> io::Result<libc::c_int> {
         loop {
+            if let Some(sig) = self.wait_until(None)? {
+                return Ok(sig);
+            }
+        }
+    }
+
+    /// Block until a signal comes (it) or `deadline` passes (None).
+    pub fn wait_until(
+        &self,
+        deadline: Option<std::time::Instant>,
+    ) -> io::Result<Option<libc::c_int>> {
+        loop {
+            let timeout = match deadline {
+                None => -1,
+                Some(d) => {
+                    let left = d.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return self.next();
+                    }
+                    // Rounded up, so that a wake-up is never before the deadline.
+                    left.as_millis().saturating_add(1).min(i32::MAX as u128) as i32
+                }
+            };
             let mut pfd = libc::pollfd {
                 fd: self.fd.as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             };
             // SAFETY: poll(2) on one valid pollfd for the duration of the call.
-            if unsafe { libc::poll(&mut pfd, 1, -1) } < 0 {
+            if unsafe { libc::poll(&mut pfd, 1, timeout) } < 0 {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::Interrupted {
                     return Err(e);
@@ -87,10 +110,21 @@ impl Signals {
                 continue;
             }
             if let Some(sig) = self.next()? {
-                return Ok(sig);
+                return Ok(Some(sig));
             }
         }
     }
+}
+
+/// Unblock every signal in the calling thread: a forked child that must take the default
+/// actions its parent had blocked.
+pub fn unblock_all() {
+    // SAFETY: sigset_t is plain data; sigemptyset initialises it before use.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t owned by this frame.
+    unsafe { libc::sigemptyset(&mut set) };
+    // SAFETY: `set` is initialised; a null old-set pointer is allowed.
+    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, &set, std::ptr::null_mut()) };
 }
 
 impl AsRawFd for Signals {

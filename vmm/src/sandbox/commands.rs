@@ -9,15 +9,61 @@ use std::io::{Read, Write};
 /// `amvm exec`: the command's exit status.
 pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
     let sb = Sandbox::open(&args.sandbox)?;
+    // Ctrl-C and friends go to the command, not to us: blocked here, read from a signalfd.
+    let signals = crate::signals::Signals::block()
+        .map_err(|e| SandboxError::Io("blocking signals".into(), e))?;
+    exec_in(&sb, args, signals, None)
+}
+
+/// How long a run's command has to exit after the run forwarded it a signal, before the run
+/// ends the VM itself (a second signal does that at once).
+const SIGNAL_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// `amvm run`'s way with signals: the first is forwarded to the command; a second, or the
+/// command still running [`SIGNAL_GRACE`] after it, ends the VM (its VMM killed) and the run
+/// with 128+N for the first signal N. `amvm exec` forwards every signal and nothing more.
+pub(crate) struct RunSignals {
+    vmm: (u32, u64),
+    /// The first signal, and why the VM was ended under the command, once it was.
+    ended: std::sync::Mutex<Option<(i32, &'static str)>>,
+}
+
+impl RunSignals {
+    pub(crate) fn new(info: &Info) -> std::sync::Arc<RunSignals> {
+        std::sync::Arc::new(RunSignals {
+            vmm: (info.vmm_pid, info.vmm_start),
+            ended: std::sync::Mutex::new(None),
+        })
+    }
+
+    fn end(&self, sig: i32, why: &'static str) {
+        *self.ended.lock().unwrap_or_else(|p| p.into_inner()) = Some((sig, why));
+        if super::is_ours(self.vmm.0, self.vmm.1) {
+            // SAFETY: kill(2) of the sandbox's own VMM (its start time checked just before).
+            unsafe { libc::kill(self.vmm.0 as libc::pid_t, libc::SIGKILL) };
+        }
+    }
+
+    /// The first signal and why, if the VM was ended under the command.
+    pub(crate) fn ended(&self) -> Option<(i32, &'static str)> {
+        *self.ended.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Run `args`'s command in `sb`, its streams relayed to ours; its exit status. `signals` (blocked
+/// by the caller) are forwarded to it: each one, or as `run` says.
+pub(crate) fn exec_in(
+    sb: &Sandbox,
+    args: ExecArgs,
+    signals: crate::signals::Signals,
+    run: Option<std::sync::Arc<RunSignals>>,
+) -> Result<u8, SandboxError> {
     use std::os::unix::ffi::OsStrExt;
     let argv = args
         .command
         .iter()
         .map(|a| super::api::Arg::from_bytes(a.as_bytes()))
         .collect();
-    // Ctrl-C and friends go to the command, not to us: blocked here, read from a signalfd.
-    let signals = crate::signals::Signals::block()
-        .map_err(|e| SandboxError::Io("blocking signals".into(), e))?;
     let mut env = Vec::with_capacity(args.env.len() + 1);
     let tty = if args.tty {
         // The caller's TERM, as docker exec -t passes it; an explicit -e wins.
@@ -69,9 +115,25 @@ pub fn exec(args: ExecArgs) -> Result<u8, SandboxError> {
     }
     let tx = stream.sender();
     std::thread::spawn(move || {
-        while let Ok(sig) = signals.wait() {
-            if tx.signal(sig as u8).is_err() {
-                return;
+        let mut first: Option<(i32, std::time::Instant)> = None;
+        loop {
+            let sig = match signals.wait_until(first.map(|f| f.1)) {
+                Ok(sig) => sig,
+                Err(_) => return,
+            };
+            match (sig, first, &run) {
+                (Some(sig), None, Some(_)) => {
+                    let _ = tx.signal(sig as u8);
+                    first = Some((sig, std::time::Instant::now() + SIGNAL_GRACE));
+                }
+                (Some(sig), None, None) if tx.signal(sig as u8).is_err() => return,
+                (Some(_), Some((sig, _)), Some(r)) => {
+                    return r.end(sig, "a second signal arrived before the workload exited");
+                }
+                (None, Some((sig, _)), Some(r)) => {
+                    return r.end(sig, "the workload did not exit within 10 s of it");
+                }
+                _ => {}
             }
         }
     });

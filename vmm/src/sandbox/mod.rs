@@ -56,8 +56,9 @@ pub enum SandboxError {
     Changes(String),
     #[error("{0} is not supported by amvm create yet")]
     Unsupported(&'static str),
-    #[error("amvm run -t: {0}")]
-    RunTty(&'static str),
+    /// A run's VMM ended before its guest was ready, with this status (it said why).
+    #[error("the VM ended with status {0} before it was ready")]
+    Ended(u8),
     #[error("serve: {0}")]
     Serve(String),
     #[error("create: {0}")]
@@ -96,6 +97,15 @@ pub struct Info {
     pub execs: u64,
     /// How the VM ended (once it has), in words.
     pub ended: Option<String>,
+    /// The VMM's exit status once it exited (absent while it runs, or when a signal killed
+    /// it): 0 when the guest shut down, 124 for `--timeout`, 125 for a failure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmm_exit: Option<u8>,
+    /// Made by `amvm run` for its command, and removed by it; one whose run was killed
+    /// outright (`dead`) is removed by the next `amvm run`, unless it holds an overlay's
+    /// changes (then `amvm diff`/`commit` read them and `amvm rm` removes it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub run: bool,
     pub config: Config,
 }
 

@@ -1,36 +1,33 @@
-//! `amvm run -t`: a run with a pseudo-terminal is a sandbox made for one exec: `create` (tied to
-//! this process: the sandbox's supervisor dies with it), `exec -t` of the command with this
-//! process's terminal (raw mode with -i, the window size and its changes passed on), then
-//! `--changes FILE` written from the sandbox's overlay, and `rm`. The exit status is what a run
-//! gives: the command's own (128+N for signal N), 124 when `--timeout` ended it, 125 when amvm
-//! or the VM failed.
+//! `amvm run`: a sandbox made for one exec. `create` (tied to this process: the sandbox's
+//! supervisor dies with it, and its VMM writes to this process's stderr), `exec` of the command
+//! with this process's streams (`-i`: stdin; `-t`: a pseudo-terminal, the caller's terminal in
+//! raw mode with -i, the window size and its changes passed on), then `--changes FILE` written
+//! from the sandbox's overlay, and `rm`. The exit status is a run's: the command's own (128+N
+//! for signal N), 124 when `--timeout` ended it, 125 when amvm or the VM failed (the VMM says
+//! why on stderr), 128+N when signal N ended the run before the command did.
 //!
 //! While it runs the sandbox is listed by `amvm ls` like any other. If this process is killed
 //! outright (SIGKILL), the sandbox's supervisor and VM die with it; `amvm ls` then shows it dead
 //! and `amvm rm` removes what is left.
 
 use super::client::Sandbox;
+use super::commands::RunSignals;
 use super::SandboxError;
 use crate::cli::{CreateArgs, ExecArgs, RunArgs};
+use crate::exit;
 use std::time::{Duration, Instant};
 
 /// How long the sandbox may take to say how it ended, once its command's stream broke.
 const END_WAIT: Duration = Duration::from_secs(30);
 
-/// `amvm run -t`: the run's exit status.
-pub fn run_with_tty(args: RunArgs) -> Result<u8, SandboxError> {
+/// `amvm run`: the run's exit status.
+pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
     let RunArgs {
         mut vm,
         interactive,
         command,
-        tty: _,
+        tty,
     } = args;
-    if vm.console {
-        return Err(SandboxError::RunTty(
-            "--console: the guest's kernel log goes to the sandbox's vmm.log (amvm create; then amvm exec -t)",
-        ));
-    }
-    let timeout = vm.timeout;
     // --changes is checked now (and refused by `create`), and written before the sandbox goes.
     let changes = match vm.changes.take() {
         Some(file) => {
@@ -45,39 +42,59 @@ pub fn run_with_tty(args: RunArgs) -> Result<u8, SandboxError> {
         }
         None => None,
     };
-    let t0 = Instant::now();
-    let created = super::supervisor::create_tied(CreateArgs {
+    let checked = match super::supervisor::check(CreateArgs {
         vm,
         name: None,
         labels: Vec::new(),
         idle_timeout: None,
-    });
-    let id = match created {
-        Ok(id) => id,
-        // Its --timeout ran out while it booted: as for any run, 124.
-        Err(SandboxError::Start(_)) if timeout.is_some_and(|t| t0.elapsed().as_secs() >= t) => {
-            eprintln!("amvm: timed out after {} s", timeout.unwrap_or(0));
-            return Ok(crate::exit::TIMEOUT);
+    }) {
+        Ok(c) => c,
+        Err(SandboxError::Config(e)) => {
+            eprintln!("amvm: {:#}", anyhow::Error::from(e));
+            return Ok(exit::AMVM_FAILURE);
         }
         Err(e) => return Err(e),
     };
-    let exec = super::commands::exec(ExecArgs {
-        interactive,
-        tty: true,
-        env: Vec::new(),
-        workdir: None,
-        user: None,
-        sandbox: id.clone(),
-        clear_env: false,
-        capabilities: None,
-        groups: Vec::new(),
-        rlimits: Vec::new(),
-        command,
-    });
+    sweep_dead_runs();
+    // Blocked before the VM is made (its processes unblock them), so that a signal while it
+    // boots waits for the command, as it would for a VMM run in this process.
+    let signals = crate::signals::Signals::block()
+        .map_err(|e| SandboxError::Io("blocking signals".into(), e))?;
+    let c = checked;
+    let id = match super::supervisor::create_from(c.cfg, c.config, c.name, c.labels, true) {
+        Ok(id) => id,
+        // The VMM ended while the guest booted (its --timeout: 124; a failure: 125), and said
+        // why on our stderr.
+        Err(SandboxError::Ended(code)) => return Ok(code),
+        Err(e) => return Err(e),
+    };
     let sb = Sandbox::open(&id)?;
-    let mut code = match exec {
-        Ok(code) => code,
-        Err(e) => ended_under(&sb, e, timeout),
+    let run = RunSignals::new(&sb.info()?);
+    let exec = super::commands::exec_in(
+        &sb,
+        ExecArgs {
+            interactive,
+            tty,
+            env: Vec::new(),
+            workdir: None,
+            user: None,
+            sandbox: id.clone(),
+            clear_env: false,
+            capabilities: None,
+            groups: Vec::new(),
+            rlimits: Vec::new(),
+            command,
+        },
+        signals,
+        Some(run.clone()),
+    );
+    let mut code = match (exec, run.ended()) {
+        (_, Some((sig, why))) => {
+            eprintln!("amvm: interrupted by {}: {why}", crate::signals::name(sig));
+            (128 + sig).clamp(0, 255) as u8
+        }
+        (Ok(code), None) => code,
+        (Err(e), None) => ended_under(&sb, e),
     };
     if let Some(file) = &changes {
         let written = super::commands::scratch_of(&sb).and_then(|(scratch, _)| {
@@ -91,41 +108,60 @@ pub fn run_with_tty(args: RunArgs) -> Result<u8, SandboxError> {
             eprintln!(
                 "amvm: sandbox {id} is kept: its changes are in its overlay (amvm diff, amvm commit; amvm rm {id} when done)"
             );
-            return Ok(crate::exit::AMVM_FAILURE);
+            return Ok(exit::AMVM_FAILURE);
         }
     }
     if let Err(e) = super::commands::rm_quietly(&id) {
         eprintln!("amvm: removing sandbox {id}: {e}");
-        code = crate::exit::AMVM_FAILURE;
+        code = exit::AMVM_FAILURE;
     }
     Ok(code)
 }
 
-/// The command's stream broke without an exit status: the VM ended under it (its `--timeout`:
-/// 124; a failure: 125, with how it ended), or something else went wrong (125).
-fn ended_under(sb: &Sandbox, e: SandboxError, timeout: Option<u64>) -> u8 {
+/// The command's stream broke without an exit status: the VM ended under it. Its VMM said why
+/// on our stderr and its status is the run's (124 for `--timeout`, 125 for a failure); a VMM
+/// killed by a signal, or a guest that shut down under the command, is 125 with that said.
+fn ended_under(sb: &Sandbox, e: SandboxError) -> u8 {
     let t0 = Instant::now();
-    let ended = loop {
+    let info = loop {
         match sb.info() {
             Ok(i) if !matches!(i.state.as_str(), "running" | "stopping" | "starting") => {
-                break i.ended
+                break Some(i)
             }
-            Ok(_) if t0.elapsed() < END_WAIT => std::thread::sleep(Duration::from_millis(100)),
+            Ok(_) if t0.elapsed() < END_WAIT => std::thread::sleep(Duration::from_millis(50)),
             _ => break None,
         }
     };
-    match ended {
-        Some(how) if how.starts_with("timed out") => {
-            eprintln!("amvm: timed out after {} s", timeout.unwrap_or(0));
-            crate::exit::TIMEOUT
+    match info.as_ref().map(|i| (i.vmm_exit, i.ended.as_deref())) {
+        Some((Some(code), _)) if code != 0 => code,
+        Some((Some(_), _)) => {
+            eprintln!("amvm: the guest shut down before the command's exit status arrived");
+            exit::AMVM_FAILURE
         }
-        Some(how) => {
+        Some((None, Some(how))) => {
             eprintln!("amvm: {how}");
-            crate::exit::AMVM_FAILURE
+            exit::AMVM_FAILURE
         }
-        None => {
+        _ => {
             eprintln!("amvm: {e}");
-            crate::exit::AMVM_FAILURE
+            exit::AMVM_FAILURE
+        }
+    }
+}
+
+/// Remove the sandboxes of runs that were killed outright (`dead`), but for those that hold an
+/// overlay's changes, which are the user's to take (`amvm diff`, `commit`) or drop (`amvm rm`).
+fn sweep_dead_runs() {
+    for info in super::list().unwrap_or_default() {
+        // pid 0: one being made this moment (its supervisor not yet forked), not a dead one.
+        let dead = info.state == "dead" && info.pid != 0;
+        if info.run && dead && info.config.overlay_scratch.is_none() {
+            if let Ok((id, dir)) = super::resolve(&info.id) {
+                match super::remove(&id, &dir) {
+                    Ok(()) => tracing::debug!("removed the sandbox of a run killed outright: {id}"),
+                    Err(e) => tracing::debug!("sandbox {id} of a dead run: {e}"),
+                }
+            }
         }
     }
 }

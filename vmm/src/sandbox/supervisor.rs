@@ -58,6 +58,24 @@ pub fn create_tied(args: CreateArgs) -> Result<String, SandboxError> {
 }
 
 fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
+    let c = check(args).map_err(|e| match e {
+        SandboxError::Config(e) => SandboxError::Start(format!("{:#}", anyhow::Error::from(e))),
+        e => e,
+    })?;
+    create_from(c.cfg, c.config, c.name, c.labels, tied)
+}
+
+/// What `create` checked before anything is made: the VMM's config (its session path still
+/// unset) and what `state.json` will say of the sandbox.
+pub(crate) struct Checked {
+    pub cfg: RunConfig,
+    pub config: Config,
+    pub name: Option<String>,
+    pub labels: std::collections::BTreeMap<String, String>,
+}
+
+/// Check `create`'s flags without touching anything; a bad flag is `SandboxError::Config`.
+pub(crate) fn check(args: CreateArgs) -> Result<Checked, SandboxError> {
     if args.vm.changes.is_some() {
         return Err(SandboxError::Unsupported(
             "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR)",
@@ -91,13 +109,23 @@ fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
     // the directory exists.
     let cfg = args
         .vm
-        .into_config(Vec::new(), false, Some(PathBuf::from("/")))
-        .map_err(|e| SandboxError::Start(format!("{:#}", anyhow::Error::from(e))))?;
-    create_from(cfg, config, args.name, labels, tied)
+        .into_config(Vec::new(), false, Some(PathBuf::from("/")))?;
+    Ok(Checked {
+        cfg,
+        config,
+        name: args.name,
+        labels,
+    })
 }
 
 /// Boot a sandbox from a checked session config (`cfg.session` is set here) and what
 /// `state.json` says of it; its id once it is ready.
+///
+/// A `tied` sandbox is a run's (`amvm run`): its supervisor dies with this process, its VMM
+/// writes to this process's stderr (its errors, `--console`'s kernel log and `RUST_LOG`'s
+/// lines reach the user as they happen, as when the VMM was the run's own process), and a VMM
+/// that ends before the guest is ready is `SandboxError::Ended` with the VMM's exit status
+/// (it said why on that stderr).
 pub fn create_from(
     mut cfg: RunConfig,
     config: Config,
@@ -136,6 +164,8 @@ pub fn create_from(
         vmm_start: 0,
         execs: 0,
         ended: None,
+        vmm_exit: None,
+        run: tied,
         config: Config {
             workdir: String::from_utf8_lossy(&cfg.spec.cwd).into_owned(),
             ..config
@@ -169,7 +199,7 @@ pub fn create_from(
                 unsafe { libc::_exit(1) };
             }
         }
-        let code = supervise(cfg, info.clone(), &dir, write_end);
+        let code = supervise(cfg, info.clone(), &dir, write_end, tied);
         // SAFETY: _exit(2) ends the supervisor without running anything of `create`'s.
         unsafe { libc::_exit(code) };
     }
@@ -184,6 +214,9 @@ pub fn create_from(
             // SAFETY: waitpid(2) for our own child into a local.
             unsafe { libc::waitpid(pid, &mut status, 0) };
             let why = said.trim();
+            if let Some(code) = why.strip_prefix("exit ").and_then(|c| c.parse().ok()) {
+                return Err(fail(SandboxError::Ended(code)));
+            }
             Err(fail(SandboxError::Start(if why.is_empty() {
                 "its supervisor died without saying why".into()
             } else {
@@ -225,9 +258,21 @@ fn redirect(target: i32, path: Option<&Path>) {
 }
 
 /// The supervisor process; its exit status.
-fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd) -> i32 {
+fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: bool) -> i32 {
     // SAFETY: setsid(2) takes nothing; the forked child is not a group leader.
     unsafe { libc::setsid() };
+    // The creator may have blocked signals (a run does, for its command); this process
+    // takes the default actions.
+    crate::signals::unblock_all();
+    // A run's VMM writes to the run's stderr (create_from).
+    let user_stderr = if tied {
+        // SAFETY: fcntl(2) duplicating descriptor 2; the result is checked.
+        let fd = unsafe { libc::fcntl(2, libc::F_DUPFD_CLOEXEC, 3) };
+        // SAFETY: a fresh descriptor that nothing else owns.
+        (fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
+    } else {
+        None
+    };
     redirect(0, None);
     redirect(1, None);
     redirect(2, Some(&dir.join("supervisor.log")));
@@ -266,7 +311,14 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd) -> i32
         }
         drop((guest, api, notify));
         redirect(1, Some(&dir.join("vmm.log")));
-        redirect(2, Some(&dir.join("vmm.log")));
+        match &user_stderr {
+            // SAFETY: dup2(2) of a descriptor this process owns onto descriptor 2.
+            Some(fd) => unsafe {
+                libc::dup2(fd.as_raw_fd(), 2);
+            },
+            None => redirect(2, Some(&dir.join("vmm.log"))),
+        }
+        drop(user_stderr);
         let code = match crate::builder::run(&cfg, &crate::builder::Timeline::start()) {
             Ok(code) => code,
             Err(e) => {
@@ -279,6 +331,7 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd) -> i32
         // SAFETY: _exit(2) ends the VMM with its status (its vCPU threads may be in KVM_RUN).
         unsafe { libc::_exit(i32::from(code)) };
     }
+    drop(user_stderr);
     info.pid = me;
     info.vmm_pid = vmm as u32;
     // Recorded so that `rm` never kills a stranger that reused a pid.
@@ -307,6 +360,7 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd) -> i32
         guest,
         api,
         notify,
+        tied,
     }));
     let _ = std::fs::remove_file(dir.join("api.sock"));
     let _ = std::fs::remove_file(dir.join("guest.sock"));
@@ -321,6 +375,7 @@ struct ServeArgs {
     guest: std::os::unix::net::UnixListener,
     api: std::os::unix::net::UnixListener,
     notify: std::fs::File,
+    tied: bool,
 }
 
 /// What the tasks share.
@@ -439,23 +494,36 @@ async fn serve(a: ServeArgs) -> i32 {
 
     // Boot: Ready, or the VMM's end, or the boot timeout.
     let mut notify = a.notify;
+    let mut exited = None;
     let started = tokio::select! {
         r = ready_rx => r.unwrap_or_else(|_| Err("the guest's control stream ended".into())),
-        _ = &mut vmm_exit => Err("the VMM exited".into()),
+        s = &mut vmm_exit => {
+            exited = Some(s.unwrap_or(0));
+            Err("the VMM exited".into())
+        }
         _ = tokio::time::sleep(BOOT_TIMEOUT) => Err(format!("the guest was not ready within {} s", BOOT_TIMEOUT.as_secs())),
     };
     if let Err(why) = started {
-        let log = std::fs::read_to_string(sup.dir.join("vmm.log")).unwrap_or_default();
-        let log = log.trim();
-        let msg = if log.is_empty() {
-            why
-        } else {
-            log.trim_start_matches("amvm: ").to_string()
+        let msg = match exited {
+            // A run's VMM said why on the run's stderr: its status is all the run needs.
+            Some(s) if a.tied && libc::WIFEXITED(s) => format!("exit {}\n", libc::WEXITSTATUS(s)),
+            Some(s) if a.tied => describe_end(s, &sup.dir),
+            _ => {
+                let log = std::fs::read_to_string(sup.dir.join("vmm.log")).unwrap_or_default();
+                let log = log.trim();
+                if log.is_empty() {
+                    why
+                } else {
+                    log.trim_start_matches("amvm: ").to_string()
+                }
+            }
         };
         let _ = notify.write_all(msg.as_bytes());
-        // SAFETY: kill(2) of our own child.
-        unsafe { libc::kill(vmm, libc::SIGKILL) };
-        let _ = vmm_exit.await;
+        if exited.is_none() {
+            // SAFETY: kill(2) of our own child.
+            unsafe { libc::kill(vmm, libc::SIGKILL) };
+            let _ = vmm_exit.await;
+        }
         return 1;
     }
     sup.update(|i| i.state = "running".into());
@@ -504,6 +572,7 @@ async fn serve(a: ServeArgs) -> i32 {
     let how = describe_end(status, &sup.dir);
     let reason = lock(&sup.stop_reason).take();
     sup.update(|i| {
+        i.vmm_exit = libc::WIFEXITED(status).then(|| libc::WEXITSTATUS(status) as u8);
         i.state = if stopped { "stopped" } else { "exited" }.into();
         i.ended = Some(if stopped {
             reason.unwrap_or_else(|| "stopped by amvm stop".into())
@@ -519,6 +588,12 @@ async fn serve(a: ServeArgs) -> i32 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if a.tied {
+        // A run's sandbox stays until the run removed it and ended (this process dies with
+        // it): with `--overlay-size` its workspace changes live in this process's mounts, and
+        // the run writes them out after the VM ended (a timeout, a crash) too.
+        std::future::pending::<()>().await;
     }
     0
 }
