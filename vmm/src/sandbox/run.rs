@@ -69,7 +69,9 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
         Err(e) => return Err(e),
     };
     let sb = Sandbox::open(&id)?;
-    let run = RunSignals::new(&sb.info()?);
+    let info = sb.info()?;
+    let _supervisor = Reap(info.pid);
+    let run = RunSignals::new(&info);
     let exec = super::commands::exec_in(
         &sb,
         ExecArgs {
@@ -163,5 +165,28 @@ fn sweep_dead_runs() {
                 }
             }
         }
+    }
+}
+
+/// The run's sandbox supervisor, our child: it waits for us after its VM ended (with
+/// `--overlay-size` its mounts hold the changes), so we end it and reap it when we go. Reaped, its
+/// resource use (and its VMM's, which it reaped) counts as ours, as it did when the VMM was this
+/// process.
+struct Reap(u32);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let pid = self.0 as libc::pid_t;
+        if pid <= 0 {
+            return;
+        }
+        // SAFETY: kill(2) and waitpid(2) of our own child (it cannot have been reaped by
+        // anyone else, so the pid is still its).
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+        }
+        let mut status = 0;
+        // SAFETY: as above; `status` is a local.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
     }
 }
