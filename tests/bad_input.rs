@@ -124,6 +124,8 @@ fn no_permission_on_kvm_device_names_the_kvm_group() {
 fn unknown_flag() {
     let o = amvm(["run", "--frobnicate", "--", "true"], &[]);
     assert_one_line_125(&o, "--frobnicate");
+    assert_one_line_125(&o, "(see amvm run --help)");
+    assert_one_line_125(&amvm(["--frobnicate"], &[]), "(see amvm --help)");
 }
 
 #[test]

@@ -764,6 +764,9 @@ fn bad_input_gets_one_line_and_changes_nothing() {
         (&["exec", "nosuch", "--", "true"][..], "no sandbox nosuch"),
         (&["inspect", "0123456789ab"][..], "no sandbox 0123456789ab"),
         (&["stop", "nosuch"][..], "no sandbox nosuch"),
+        // A usage error points at the help of the subcommand it was in.
+        (&["create", "--mem"][..], "(see amvm create --help)"),
+        (&["exec", "--bogus", "x"][..], "(see amvm exec --help)"),
     ] {
         let out = w.amvm(args);
         assert_eq!(out.code, 125, "{args:?}: {}", out.stderr);

@@ -4,7 +4,7 @@
 
 use amvm::cli::{Cli, Command, ImageCommand};
 use amvm::exit;
-use clap::Parser;
+use clap::{CommandFactory, Parser};
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -37,12 +37,21 @@ fn main() -> ExitCode {
         let args = std::iter::once(std::ffi::OsString::from("amvm-runc")).chain(rest);
         return match amvm::oci::OciCli::try_parse_from(args) {
             Ok(cli) => ExitCode::from(amvm::oci::main(cli)),
-            Err(e) => usage_error(e),
+            Err(e) => usage_error(e, Some("oci")),
         };
     }
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        Err(e) => return usage_error(e),
+        Err(e) => {
+            // The subcommand the user named (the first word that is not a flag), for the hint.
+            let sub = argv
+                .iter()
+                .skip(1)
+                .filter_map(|a| a.to_str())
+                .find(|a| !a.starts_with('-'))
+                .filter(|a| Cli::command().find_subcommand(a).is_some());
+            return usage_error(e, sub);
+        }
     };
     match cli.command {
         Command::Run(args) => sandbox_result(amvm::sandbox::run::run(*args).map(|code| {
@@ -226,8 +235,9 @@ fn sandbox_result(r: Result<ExitCode, amvm::sandbox::SandboxError>) -> ExitCode 
     })
 }
 
-/// clap's own help/version go to stdout with 0; any usage error is one line and 125.
-fn usage_error(e: clap::Error) -> ExitCode {
+/// clap's own help/version go to stdout with 0; any usage error is one line and 125, pointing
+/// at the help of `sub`command when the user named one.
+fn usage_error(e: clap::Error, sub: Option<&str>) -> ExitCode {
     use clap::error::ErrorKind;
     match e.kind() {
         ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
@@ -250,7 +260,10 @@ fn usage_error(e: clap::Error) -> ExitCode {
             if first.ends_with(':') {
                 first = format!("{first} {}", lines.next().unwrap_or_default());
             }
-            eprintln!("amvm: {first} (see amvm run --help)");
+            match sub {
+                Some(sub) => eprintln!("amvm: {first} (see amvm {sub} --help)"),
+                None => eprintln!("amvm: {first} (see amvm --help)"),
+            }
             ExitCode::from(exit::AMVM_FAILURE)
         }
     }

@@ -42,12 +42,15 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
         }
         None => None,
     };
-    let checked = match super::supervisor::check(CreateArgs {
-        vm,
-        name: None,
-        labels: Vec::new(),
-        idle_timeout: None,
-    }) {
+    let checked = match super::supervisor::check(
+        CreateArgs {
+            vm,
+            name: None,
+            labels: Vec::new(),
+            idle_timeout: None,
+        },
+        command.clone(),
+    ) {
         Ok(c) => c,
         Err(SandboxError::Config(e)) => {
             eprintln!("amvm: {:#}", anyhow::Error::from(e));

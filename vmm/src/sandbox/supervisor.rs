@@ -58,7 +58,7 @@ pub fn create_tied(args: CreateArgs) -> Result<String, SandboxError> {
 }
 
 fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
-    let c = check(args).map_err(|e| match e {
+    let c = check(args, Vec::new()).map_err(|e| match e {
         SandboxError::Config(e) => SandboxError::Start(format!("{:#}", anyhow::Error::from(e))),
         e => e,
     })?;
@@ -75,7 +75,12 @@ pub(crate) struct Checked {
 }
 
 /// Check `create`'s flags without touching anything; a bad flag is `SandboxError::Config`.
-pub(crate) fn check(args: CreateArgs) -> Result<Checked, SandboxError> {
+/// `command`: a run's, checked with them (its size with the environment's), not kept: it is
+/// the run's exec.
+pub(crate) fn check(
+    args: CreateArgs,
+    command: Vec<std::ffi::OsString>,
+) -> Result<Checked, SandboxError> {
     if args.vm.changes.is_some() {
         return Err(SandboxError::Unsupported(
             "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR)",
@@ -107,9 +112,10 @@ pub(crate) fn check(args: CreateArgs) -> Result<Checked, SandboxError> {
     };
     // Everything checkable is checked before anything is made; the session path is set once
     // the directory exists.
-    let cfg = args
+    let mut cfg = args
         .vm
-        .into_config(Vec::new(), false, Some(PathBuf::from("/")))?;
+        .into_config(command, false, Some(PathBuf::from("/")))?;
+    cfg.spec.argv.clear();
     Ok(Checked {
         cfg,
         config,
