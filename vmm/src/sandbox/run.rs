@@ -23,25 +23,11 @@ const END_WAIT: Duration = Duration::from_secs(30);
 /// `amvm run`: the run's exit status.
 pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
     let RunArgs {
-        mut vm,
+        vm,
         interactive,
         command,
         tty,
     } = args;
-    // --changes is checked now (and refused by `create`), and written before the sandbox goes.
-    let changes = match vm.changes.take() {
-        Some(file) => {
-            let overlay = match vm.workspace.as_deref() {
-                Some(w) => crate::config::workspace_arg(w)?.1,
-                None => false,
-            };
-            if !overlay {
-                return Err(crate::config::ConfigError::ChangesWithoutOverlay.into());
-            }
-            crate::config::overlay(std::path::Path::new("/"), Some(&file), None)?.changes
-        }
-        None => None,
-    };
     let checked = match super::supervisor::check(
         CreateArgs {
             vm,
@@ -58,13 +44,20 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
         }
         Err(e) => return Err(e),
     };
+    // Written from the sandbox's overlay before the sandbox goes.
+    let changes = checked.cfg.overlay.as_ref().and_then(|o| o.changes.clone());
     sweep_dead_runs();
     // Blocked before the VM is made (its processes unblock them), so that a signal while it
     // boots waits for the command, as it would for a VMM run in this process.
     let signals = crate::signals::Signals::block()
         .map_err(|e| SandboxError::Io("blocking signals".into(), e))?;
-    let c = checked;
-    let id = match super::supervisor::create_from(c.cfg, c.config, c.name, c.labels, true) {
+    let id = match super::supervisor::create_from(
+        checked.cfg,
+        checked.config,
+        checked.name,
+        checked.labels,
+        true,
+    ) {
         Ok(id) => id,
         // The VMM ended while the guest booted (its --timeout: 124; a failure: 125), and said
         // why on our stderr.

@@ -58,6 +58,11 @@ pub fn create_tied(args: CreateArgs) -> Result<String, SandboxError> {
 }
 
 fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
+    if args.vm.changes.is_some() {
+        return Err(SandboxError::Unsupported(
+            "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR)",
+        ));
+    }
     let c = check(args, Vec::new()).map_err(|e| match e {
         SandboxError::Config(e) => SandboxError::Start(format!("{:#}", anyhow::Error::from(e))),
         e => e,
@@ -76,16 +81,11 @@ pub(crate) struct Checked {
 
 /// Check `create`'s flags without touching anything; a bad flag is `SandboxError::Config`.
 /// `command`: a run's, checked with them (its size with the environment's), not kept: it is
-/// the run's exec.
+/// the run's exec. `--changes` (a run's) is checked into `cfg.overlay`.
 pub(crate) fn check(
     args: CreateArgs,
     command: Vec<std::ffi::OsString>,
 ) -> Result<Checked, SandboxError> {
-    if args.vm.changes.is_some() {
-        return Err(SandboxError::Unsupported(
-            "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR)",
-        ));
-    }
     let mut labels = std::collections::BTreeMap::new();
     for l in &args.labels {
         match l.split_once('=') {
