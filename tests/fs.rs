@@ -278,10 +278,15 @@ fn no_backend_survives_a_timeout_sigterm_or_sigkill_of_amvm() {
         let status = child.wait().unwrap();
         assert_eq!(status.code(), want, "{status:?}");
         if sig == libc::SIGKILL {
-            // A run is a sandbox: one killed outright leaves its state directory (amvm ls
-            // shows it dead), which the next run removes.
+            // A run is a sandbox: one killed outright leaves its state directory, which the
+            // next amvm ls removes (it lists no dead run).
             let left = amvm_tests::leftovers::sandboxes_naming(ws.path());
             assert_eq!(left.len(), 1, "{left:?}");
+            let ls = amvm(["ls", "--json"], &[]);
+            assert_eq!(ls.code, 0, "{ls:?}");
+            assert!(!ls.stdout_str().contains(ws.path()), "{}", ls.stdout_str());
+            let left = amvm_tests::leftovers::sandboxes_naming(ws.path());
+            assert!(left.is_empty(), "amvm ls left {left:?}");
             run_and_check(&ws, &[], &["true"], 0);
         }
         nothing_left(&ws, pid);

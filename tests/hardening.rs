@@ -21,6 +21,64 @@ struct Seen {
     root: Vec<String>,
     /// The mount points amvm's mount namespace holds (/proc/PID/mountinfo).
     mounts: Vec<String>,
+    /// The sandbox's supervisor (the VMM's parent): the one host process that parses the
+    /// guest's frames.
+    supervisor: Confinement,
+    /// The threads of the `amvm run` process itself (it reads the command's frames).
+    run_threads: Vec<(String, String)>,
+}
+
+/// What the test saw of the supervisor.
+struct Confinement {
+    threads: Vec<(String, String)>,
+    net_ns: String,
+    mnt_ns: String,
+    /// Its mount points, and what its root directory holds.
+    mounts: Vec<String>,
+    root: Vec<String>,
+    /// Whether its state directory (the mount that is not /) holds state.json, seen through
+    /// /proc/PID/root.
+    state_seen: bool,
+}
+
+fn ls(dir: &str) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{dir}: {e}"))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+fn mount_points(pid: u32) -> Vec<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .unwrap()
+        .lines()
+        .map(|l| l.split(' ').nth(4).unwrap_or_default().to_string())
+        .collect()
+}
+
+fn parent_of(pid: u32) -> u32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // pid (comm) state ppid ...: comm may hold spaces, so after the last ')'.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    rest.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+fn confinement_of(pid: u32) -> Confinement {
+    let p = pid.to_string();
+    let mounts = mount_points(pid);
+    let state_seen = mounts.iter().any(|m| {
+        m != "/" && std::path::Path::new(&format!("/proc/{pid}/root{m}/state.json")).exists()
+    });
+    Confinement {
+        threads: threads(pid),
+        net_ns: ns(&p, "net"),
+        mnt_ns: ns(&p, "mnt"),
+        mounts,
+        root: ls(&format!("/proc/{pid}/root")),
+        state_seen,
+    }
 }
 
 fn ns(pid: &str, kind: &str) -> String {
@@ -125,7 +183,11 @@ fn inspect_running_vm(wrap: &[&str], env: &[(&str, &str)], extra: &[&str]) -> Se
     let run_pid = pid;
     let pid = amvm_tests::leftovers::vmm_of(run_pid);
     let p = pid.to_string();
+    let supervisor = parent_of(pid);
+    assert_ne!(supervisor, run_pid, "the VMM is not the supervisor's child");
     let seen = Seen {
+        supervisor: confinement_of(supervisor),
+        run_threads: threads(run_pid),
         threads: threads(pid),
         net_ns: ns(&p, "net"),
         mnt_ns: ns(&p, "mnt"),
@@ -219,6 +281,71 @@ fn assert_confined(seen: &Seen) {
         ["/", "/egress.sock", "/guest.sock"],
         "amvm's mounts"
     );
+    // Issue 36: the supervisor, which parses the guest's frames, is confined as the VMM is:
+    // every thread filtered, no privileges, no network, and a root that holds its state
+    // directory (at its own path) and nothing else.
+    let sup = &seen.supervisor;
+    assert!(!sup.threads.is_empty());
+    for (name, status) in &sup.threads {
+        assert_eq!(
+            field(status, "Seccomp:"),
+            "2",
+            "supervisor thread {name} is not filtered"
+        );
+        assert_eq!(
+            field(status, "NoNewPrivs:"),
+            "1",
+            "supervisor thread {name}"
+        );
+        assert_eq!(
+            field(status, "CapEff:"),
+            "0000000000000000",
+            "supervisor thread {name}"
+        );
+    }
+    assert_ne!(
+        sup.net_ns,
+        ns("self", "net"),
+        "the supervisor shares our network namespace"
+    );
+    assert_ne!(
+        sup.mnt_ns,
+        ns("self", "mnt"),
+        "the supervisor shares our mount namespace"
+    );
+    assert_eq!(
+        sup.mounts.len(),
+        2,
+        "the supervisor's mounts: {:?}",
+        sup.mounts
+    );
+    assert_eq!(
+        sup.mounts[0], "/",
+        "the supervisor's mounts: {:?}",
+        sup.mounts
+    );
+    assert!(
+        sup.state_seen,
+        "the supervisor's one bind is not its state directory: {:?}",
+        sup.mounts
+    );
+    // Its root holds only the first directory on the way to its state directory.
+    let first = sup.mounts[1]
+        .trim_start_matches('/')
+        .split('/')
+        .next()
+        .unwrap();
+    assert_eq!(sup.root, [first], "the supervisor's root directory");
+    // And the run process, which reads the command's frames, is filtered on every thread.
+    assert!(seen.run_threads.len() >= 2, "{:?}", seen.run_threads.len());
+    for (name, status) in &seen.run_threads {
+        assert_eq!(
+            field(status, "Seccomp:"),
+            "2",
+            "run thread {name} is not filtered"
+        );
+        assert_eq!(field(status, "NoNewPrivs:"), "1", "run thread {name}");
+    }
 }
 
 #[test]
@@ -234,6 +361,13 @@ fn no_seccomp_leaves_the_threads_unfiltered() {
     assert!(seen.threads.len() >= 5, "{:?}", seen.threads);
     for (name, status) in &seen.threads {
         assert_eq!(field(status, "Seccomp:"), "0", "thread {name}");
+    }
+    for (name, status) in seen.supervisor.threads.iter().chain(&seen.run_threads) {
+        assert_eq!(
+            field(status, "Seccomp:"),
+            "0",
+            "supervisor or run thread {name}"
+        );
     }
 }
 
@@ -347,6 +481,7 @@ fn a_forbidden_call_on_any_thread_kills_amvm_and_names_the_call() {
         ("vcpu", "vcpu"),
         ("event-loop", "vsock event loop"),
         ("helper", "helper"),
+        ("supervisor", "supervisor"),
     ] {
         let o = run_vm_leaving_nothing_env(
             &[],
@@ -355,11 +490,38 @@ fn a_forbidden_call_on_any_thread_kills_amvm_and_names_the_call() {
         );
         assert_eq!(o.code, 125, "{kind}: {o:?}");
         let want =
-            format!("amvm: seccomp: the {shown} thread made a forbidden system call: ptrace (101)");
+            format!("seccomp: the {shown} thread made a forbidden system call: ptrace (101)");
         assert!(o.stderr.contains(&want), "{kind}: {}", o.stderr);
         assert!(
             !o.stdout_str().contains("should-not-run"),
             "{kind}: the workload ran"
         );
     }
+    // The run process itself: it dies at once as the others do, taking its sandbox's
+    // supervisor and VMM with it; what it leaves (its state directory) goes with the next
+    // amvm ls.
+    let ws = std::env::temp_dir().join(format!("amvm-trip-run-{}", std::process::id()));
+    std::fs::create_dir_all(&ws).unwrap();
+    let child = amvm_tests::spawn_vm_env(
+        &["--workspace", ws.to_str().unwrap()],
+        &["sh", "-c", "echo should-not-run"],
+        &[("AMVM_TEST_SECCOMP_TRIP", "run")],
+    );
+    let pid = child.id();
+    let o = amvm_tests::Outcome::from(child.wait_with_output().unwrap());
+    assert_eq!(o.code, 125, "run: {o:?}");
+    assert!(
+        o.stderr
+            .contains("amvm: seccomp: the run thread made a forbidden system call: ptrace (101)"),
+        "run: {}",
+        o.stderr
+    );
+    assert!(
+        !o.stdout_str().contains("should-not-run"),
+        "run: the workload ran"
+    );
+    let ls = amvm_tests::amvm(["ls"], &[]);
+    assert_eq!(ls.code, 0, "{ls:?}");
+    leftovers::nothing_left(ws.to_str().unwrap(), pid);
+    let _ = std::fs::remove_dir_all(&ws);
 }

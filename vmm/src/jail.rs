@@ -105,24 +105,71 @@ pub fn detached_tmpfs(options: &[(&CStr, &CStr)]) -> io::Result<OwnedFd> {
 /// proxy that re-creates its socket while a run lasts is not reached by later streams (each
 /// fails, and the guest sees a reset).
 pub fn enter_empty_root(sockets: &[(&Path, &str)]) -> Result<(), JailError> {
+    let entries: Vec<(&Path, &Path, Kind)> = sockets
+        .iter()
+        .map(|&(path, in_root)| (path, Path::new(in_root), Kind::File))
+        .collect();
+    let root = detached_tmpfs(&[(c"mode", c"0500"), (c"size", c"4k"), (c"nr_inodes", c"8")])
+        .map_err(|source| JailError::EmptyRoot {
+            step: "a tmpfs for the new root",
+            source,
+        })?;
+    pivot_into(root, &entries)
+}
+
+/// A sandbox's supervisor leaves the host's tree the same way: its new root (a read-only
+/// tmpfs) holds only `dirs`, each bind-mounted at its own absolute path (its state directory;
+/// with `--overlay-size`, the overlay's scratch tmpfs, which `amvm diff` reads through
+/// `/proc/PID/root` at that path). Same preconditions as [`enter_empty_root`].
+pub fn enter_root_of_dirs(dirs: &[&Path]) -> Result<(), JailError> {
+    let entries: Vec<(&Path, &Path, Kind)> = dirs.iter().map(|&d| (d, d, Kind::Dir)).collect();
+    // Room for the directories leading to each bind (a few inodes each).
+    let root = detached_tmpfs(&[
+        (c"mode", c"0755"),
+        (c"size", c"64k"),
+        (c"nr_inodes", c"256"),
+    ])
+    .map_err(|source| JailError::EmptyRoot {
+        step: "a tmpfs for the new root",
+        source,
+    })?;
+    pivot_into(root, &entries)
+}
+
+/// What a bind in the new root is mounted on.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    File,
+    Dir,
+}
+
+/// Bind each `(host path, path in root, kind)` into `root` (a detached tmpfs) and pivot into
+/// it: see [`enter_empty_root`].
+fn pivot_into(root: OwnedFd, entries: &[(&Path, &Path, Kind)]) -> Result<(), JailError> {
     use std::os::unix::ffi::OsStrExt;
     let step = |step: &'static str| move |source| JailError::EmptyRoot { step, source };
     const OPEN_TREE_CLONE: libc::c_uint = 1;
     const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
-    // The sockets first, while their paths still mean what the user meant: a bind mount of
+    let cstr = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| step("a path with a NUL byte")(io::ErrorKind::InvalidInput.into()))
+    };
+    // The binds first, while their paths still mean what the user meant: a bind mount of
     // each, not yet attached anywhere (open_tree follows symlinks in the path, as connect(2)
     // does).
-    let mut bound = Vec::with_capacity(sockets.len());
-    for &(path, in_root) in sockets {
-        let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-            .map_err(|_| step("a socket's path")(io::ErrorKind::InvalidInput.into()))?;
+    let mut bound = Vec::with_capacity(entries.len());
+    for &(path, in_root, kind) in entries {
+        let c = cstr(path)?;
         let flags = OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint;
         // SAFETY: open_tree(2) with a NUL-terminated path; the result is checked.
         let r = unsafe { libc::syscall(libc::SYS_open_tree, libc::AT_FDCWD, c.as_ptr(), flags) };
-        bound.push((owned(r).map_err(step("binding a socket"))?, in_root));
+        let what = if kind == Kind::File {
+            "binding a socket"
+        } else {
+            "binding a directory"
+        };
+        bound.push((owned(r).map_err(step(what))?, in_root, kind));
     }
-    let root = detached_tmpfs(&[(c"mode", c"0500"), (c"size", c"4k"), (c"nr_inodes", c"8")])
-        .map_err(step("a tmpfs for the new root"))?;
     // pivot_root(2) wants the new root attached in our tree: over /dev, which amvm no longer
     // needs (/dev/kvm is open) and which exists wherever /dev/kvm does. Only amvm's own,
     // private mount namespace sees this.
@@ -138,27 +185,56 @@ pub fn enter_empty_root(sockets: &[(&Path, &str)]) -> Result<(), JailError> {
         )
     })
     .map_err(step("attaching the new root"))?;
-    for (socket, in_root) in bound {
-        let name = std::ffi::CString::new(&in_root[1..]).expect("a literal without NUL");
-        let flags = libc::O_CREAT | libc::O_EXCL | libc::O_RDONLY | libc::O_CLOEXEC;
-        // SAFETY: openat(2) relative to the new root with a NUL-terminated name; checked.
-        let point =
-            owned(unsafe { libc::openat(root.as_raw_fd(), name.as_ptr(), flags, 0o600) }.into())
+    for (tree, in_root, kind) in bound {
+        // The mount point, named relative to the new root: its parent directories made as
+        // plain directories (only normal components: an in-root path is absolute and clean).
+        let mut rel = std::path::PathBuf::new();
+        for c in in_root.components() {
+            match c {
+                std::path::Component::RootDir | std::path::Component::CurDir => {}
+                std::path::Component::Normal(n) => rel.push(n),
+                _ => return Err(step("a path with ..")(io::ErrorKind::InvalidInput.into())),
+            }
+        }
+        let mut at = std::path::PathBuf::new();
+        let parts: Vec<_> = rel.components().collect();
+        for (i, part) in parts.iter().enumerate() {
+            at.push(part);
+            let last = i + 1 == parts.len();
+            let name = cstr(&at)?;
+            if last && kind == Kind::File {
+                let flags = libc::O_CREAT | libc::O_EXCL | libc::O_RDONLY | libc::O_CLOEXEC;
+                // SAFETY: openat(2) relative to the new root with a NUL-terminated name;
+                // checked.
+                let point = owned(
+                    unsafe { libc::openat(root.as_raw_fd(), name.as_ptr(), flags, 0o600) }.into(),
+                )
                 .map_err(step("a mount point for a socket"))?;
-        drop(point);
-        // SAFETY: move_mount(2) of the socket's detached bind mount onto the file just made,
-        // named relative to the new root; the result is checked.
+                drop(point);
+            } else {
+                // SAFETY: mkdirat(2) relative to the new root with a NUL-terminated name.
+                let r = unsafe { libc::mkdirat(root.as_raw_fd(), name.as_ptr(), 0o755) };
+                if r != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EEXIST) {
+                    return Err(step("a mount point for a directory")(
+                        io::Error::last_os_error(),
+                    ));
+                }
+            }
+        }
+        let name = cstr(&rel)?;
+        // SAFETY: move_mount(2) of the detached bind mount onto the point just made, named
+        // relative to the new root; the result is checked.
         check(unsafe {
             libc::syscall(
                 libc::SYS_move_mount,
-                socket.as_raw_fd(),
+                tree.as_raw_fd(),
                 c"".as_ptr(),
                 root.as_raw_fd(),
                 name.as_ptr(),
                 MOVE_MOUNT_F_EMPTY_PATH,
             )
         })
-        .map_err(step("attaching a socket"))?;
+        .map_err(step("attaching a bind"))?;
     }
     let flags = libc::O_DIRECTORY | libc::O_PATH | libc::O_CLOEXEC;
     // SAFETY: open(2) of a literal path; the result is checked.
@@ -188,7 +264,8 @@ pub fn enter_empty_root(sockets: &[(&Path, &str)]) -> Result<(), JailError> {
         | libc::MS_NODEV
         | libc::MS_NOEXEC;
     let none = std::ptr::null();
-    // SAFETY: mount(2) remounting "/" with flags only (no source, type or data).
+    // SAFETY: mount(2) remounting "/" with flags only (no source, type or data). The binds
+    // under it keep their own flags.
     let r = unsafe { libc::mount(none, c"/".as_ptr(), none, ro, std::ptr::null()) };
     check(r.into()).map_err(step("making the new root read-only"))?;
     Ok(())

@@ -94,6 +94,8 @@ pub fn make_scratch(ov: &Overlay) -> Result<PathBuf, OverlayError> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos())
     );
+    // Absolute: a sandbox's supervisor holds it at this path in a root of its own.
+    let base = std::path::absolute(&base).unwrap_or(base);
     let scratch = base.join(name);
     let err = |e| OverlayError::Scratch(base.clone(), e);
     std::fs::DirBuilder::new()

@@ -45,6 +45,14 @@ pub enum ThreadKind {
     Vcpu,
     EventLoop,
     Helper,
+    /// Every thread of a sandbox's supervisor (sandbox/supervisor.rs): the one host process
+    /// that parses the guest's control and exec frames. One filter for the whole process,
+    /// installed while it has one thread; the threads it starts later inherit it.
+    Supervisor,
+    /// Every thread of an `amvm run` process once its sandbox is up (sandbox/run.rs): it reads
+    /// the command's frames (the guest's bytes, relayed by the supervisor), writes `--changes`
+    /// from the overlay's upper layer (a tree the guest wrote) and removes the sandbox.
+    Run,
 }
 
 impl ThreadKind {
@@ -54,6 +62,8 @@ impl ThreadKind {
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::EventLoop => "vsock event loop",
             ThreadKind::Helper => "helper",
+            ThreadKind::Supervisor => "supervisor",
+            ThreadKind::Run => "run",
         }
     }
 
@@ -64,6 +74,8 @@ impl ThreadKind {
             "vcpu" => Some(ThreadKind::Vcpu),
             "event-loop" => Some(ThreadKind::EventLoop),
             "helper" => Some(ThreadKind::Helper),
+            "supervisor" => Some(ThreadKind::Supervisor),
+            "run" => Some(ThreadKind::Run),
             _ => None,
         }
     }
@@ -128,6 +140,93 @@ const EVENT_LOOP: &[i64] = &[
 
 const HELPER: &[i64] = &[libc::SYS_shutdown, libc::SYS_sendto, libc::SYS_recvfrom];
 
+// The supervisor: tokio's event loop over sockets it already has (accept4 on its two
+// listeners), state.json rewritten in its state directory (open, rename, unlink; the only
+// directory its root holds), the VMM waited for and killed, and the threads tokio's blocking
+// pool starts (clone narrowed below; clone3 answered ENOSYS by a first filter, so glibc falls
+// back to clone).
+// A run: the supervisor's set but accept4 (it connects instead: socket narrowed below), and
+// what writing `--changes` and removing the sandbox take: walking the upper layer without
+// following symlinks (getdents64, readlink, xattrs of overlayfs' whiteouts and opaque
+// directories), the layer file written, synced and renamed, the state directory and the
+// scratch directory removed (chmod first: overlayfs leaves its work directory without
+// permissions; umount2 detaches an `--overlay-size` tmpfs, in this process's own mount
+// namespace), the supervisor killed and reaped, and the signals it forwards (signalfd).
+const RUN: &[i64] = &[
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_epoll_ctl,
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    libc::SYS_connect,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_readv,
+    libc::SYS_writev,
+    libc::SYS_shutdown,
+    libc::SYS_openat,
+    libc::SYS_newfstatat,
+    libc::SYS_fstat,
+    libc::SYS_statx,
+    libc::SYS_lseek,
+    libc::SYS_getdents64,
+    libc::SYS_readlink,
+    libc::SYS_readlinkat,
+    libc::SYS_lgetxattr,
+    libc::SYS_llistxattr,
+    libc::SYS_fgetxattr,
+    libc::SYS_flistxattr,
+    libc::SYS_rename,
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
+    libc::SYS_rmdir,
+    libc::SYS_chmod,
+    libc::SYS_fchmod,
+    libc::SYS_fchmodat,
+    libc::SYS_fsync,
+    libc::SYS_fdatasync,
+    libc::SYS_umount2,
+    libc::SYS_kill,
+    libc::SYS_wait4,
+    libc::SYS_clone3,
+    libc::SYS_set_robust_list,
+    libc::SYS_rseq,
+    libc::SYS_sched_getaffinity,
+    libc::SYS_getuid,
+    libc::SYS_geteuid,
+    libc::SYS_getcwd,
+];
+
+const SUPERVISOR: &[i64] = &[
+    libc::SYS_epoll_wait,
+    libc::SYS_epoll_pwait,
+    libc::SYS_epoll_ctl,
+    libc::SYS_accept4,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_recvmsg,
+    libc::SYS_sendmsg,
+    libc::SYS_readv,
+    libc::SYS_writev,
+    libc::SYS_shutdown,
+    libc::SYS_getsockopt,
+    libc::SYS_getsockname,
+    libc::SYS_getpeername,
+    libc::SYS_openat,
+    libc::SYS_newfstatat,
+    libc::SYS_fstat,
+    libc::SYS_statx,
+    libc::SYS_lseek,
+    libc::SYS_rename,
+    libc::SYS_unlink,
+    libc::SYS_kill,
+    libc::SYS_wait4,
+    libc::SYS_clone3,
+    libc::SYS_set_robust_list,
+    libc::SYS_rseq,
+    libc::SYS_sched_getaffinity,
+];
+
 // ioctl request numbers, narrowed per kind (arg 1). From <linux/kvm.h>.
 const KVM_RUN: u64 = 0xae80;
 const KVM_GET_REGS: u64 = 0x8090_ae81;
@@ -147,6 +246,8 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
         ThreadKind::Vcpu => VCPU,
         ThreadKind::EventLoop => EVENT_LOOP,
         ThreadKind::Helper => HELPER,
+        ThreadKind::Supervisor => SUPERVISOR,
+        ThreadKind::Run => RUN,
     };
     let mut map: BTreeMap<i64, Vec<SeccompRule>> = COMMON
         .iter()
@@ -189,6 +290,69 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                 ])?],
             );
             map.insert(libc::SYS_ioctl, vec![cond(1, libc::FIONBIO)?]);
+        }
+        ThreadKind::Supervisor | ThreadKind::Run => {
+            // A new thread only (CLONE_THREAD set): never a new process.
+            map.insert(
+                libc::SYS_clone,
+                vec![SeccompRule::new(vec![SeccompCondition::new(
+                    0,
+                    SeccompCmpArgLen::Qword,
+                    SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64),
+                    libc::CLONE_THREAD as u64,
+                )?])?],
+            );
+            // glibc's first pthread_create installs its handlers for SIGCANCEL and SIGSETXID
+            // (SIGRTMIN and SIGRTMIN+1): no other signal's action may change.
+            map.insert(libc::SYS_rt_sigaction, vec![cond(0, 32)?, cond(0, 33)?]);
+            // A thread's name (std names tokio's workers) and nothing else of prctl.
+            map.insert(libc::SYS_prctl, vec![cond(0, libc::PR_SET_NAME as u64)?]);
+            map.insert(
+                libc::SYS_fcntl,
+                vec![
+                    cond(1, libc::F_GETFD as u64)?,
+                    cond(1, libc::F_DUPFD_CLOEXEC as u64)?,
+                    cond(1, libc::F_GETFL as u64)?,
+                    cond(1, libc::F_SETFL as u64)?,
+                    // std's read_dir marks its directory descriptor close-on-exec (a run's
+                    // walk of the upper layer).
+                    cond(1, libc::F_SETFD as u64)?,
+                ],
+            );
+            if kind == ThreadKind::Supervisor {
+                map.insert(libc::SYS_ioctl, vec![cond(1, libc::FIONBIO)?]);
+            } else {
+                // The caller's terminal: its size (kept up to date for -t), raw mode and back.
+                map.insert(
+                    libc::SYS_ioctl,
+                    vec![
+                        cond(1, libc::FIONBIO)?,
+                        cond(1, libc::TIOCGWINSZ)?,
+                        cond(1, libc::TCGETS)?,
+                        cond(1, libc::TCSETS)?,
+                        cond(1, libc::TCSETSW)?,
+                        cond(1, libc::TCSETSF)?,
+                    ],
+                );
+                // The API socket: a unix stream socket, nothing else.
+                map.insert(
+                    libc::SYS_socket,
+                    vec![SeccompRule::new(vec![
+                        SeccompCondition::new(
+                            0,
+                            SeccompCmpArgLen::Dword,
+                            SeccompCmpOp::Eq,
+                            libc::AF_UNIX as u64,
+                        )?,
+                        SeccompCondition::new(
+                            1,
+                            SeccompCmpArgLen::Dword,
+                            SeccompCmpOp::MaskedEq(0xf),
+                            libc::SOCK_STREAM as u64,
+                        )?,
+                    ])?],
+                );
+            }
         }
         ThreadKind::Vmm | ThreadKind::Helper => {}
     }
@@ -305,6 +469,46 @@ impl Policy {
         }
         self.gate.wait_open();
     }
+}
+
+/// Filter this whole process as `kind` (a supervisor's or a run's): call while it has one
+/// thread (every thread it starts later inherits the filters). Capabilities go first (they are
+/// per thread). Two filters: the first answers clone3(2) with ENOSYS, whose flags a filter
+/// cannot see, so that glibc starts threads with clone(2), whose flags the second, the
+/// allow-list, checks (the stricter action of the two wins: clone3 is allowed by the second
+/// only to reach the first's ENOSYS). `enabled`: false for `--no-seccomp`. A supervisor also
+/// gives up every capability; a run keeps them (below).
+pub fn confine_process(kind: ThreadKind, enabled: bool) -> Result<(), SeccompError> {
+    KIND.with(|k| k.set(Some(kind)));
+    // A run keeps root's capabilities where it has them: the upper layer it writes out and
+    // removes holds what the guest's users made (their owners and modes), and detaching an
+    // `--overlay-size` tmpfs takes CAP_SYS_ADMIN (in its own mount namespace).
+    if kind != ThreadKind::Run {
+        crate::jail::drop_capabilities()?;
+    }
+    if !enabled {
+        return Ok(());
+    }
+    install_sigsys_handler().map_err(SeccompError::Handler)?;
+    let no_clone3: BpfProgram = SeccompFilter::new(
+        BTreeMap::from([(libc::SYS_clone3, Vec::new())]),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        TargetArch::x86_64,
+    )
+    .map_err(|e| SeccompError::Build(kind.name(), e))?
+    .try_into()
+    .map_err(|e| SeccompError::Compile(kind.name(), e))?;
+    let audit = std::env::var_os("AMVM_SECCOMP_AUDIT").is_some_and(|v| v == "1");
+    let prog = program(kind, audit)?;
+    seccompiler::apply_filter(&no_clone3).map_err(|e| SeccompError::Install(kind.name(), e))?;
+    seccompiler::apply_filter(&prog).map_err(|e| SeccompError::Install(kind.name(), e))?;
+    let trip = std::env::var("AMVM_TEST_SECCOMP_TRIP").ok();
+    if trip.as_deref().and_then(ThreadKind::from_env_name) == Some(kind) {
+        // SAFETY: a ptrace(PTRACE_TRACEME) attempt with no pointers; the filter traps it.
+        unsafe { libc::syscall(libc::SYS_ptrace, libc::PTRACE_TRACEME, 0, 0, 0) };
+    }
+    Ok(())
 }
 
 fn fatal(e: &SeccompError) -> ! {
@@ -454,6 +658,8 @@ mod tests {
             ThreadKind::Vcpu,
             ThreadKind::EventLoop,
             ThreadKind::Helper,
+            ThreadKind::Supervisor,
+            ThreadKind::Run,
         ] {
             let p = program(kind, false).unwrap();
             assert!(p.len() > 10, "{kind:?}: {} instructions", p.len());

@@ -303,6 +303,9 @@ pub fn commit(sandbox: &str, dir: &std::path::Path) -> Result<(), SandboxError> 
 
 /// `amvm ls`.
 pub fn ls(json: bool, out: &mut impl Write) -> Result<(), SandboxError> {
+    // The sandboxes of runs killed outright go first: nothing of them is the user's to take
+    // (but an overlay's changes, which stay listed until amvm rm).
+    super::run::sweep_dead_runs();
     let all = super::list()?;
     let io = |e| SandboxError::Io("stdout".into(), e);
     if json {

@@ -7,8 +7,9 @@
 //! why on stderr), 128+N when signal N ended the run before the command did.
 //!
 //! While it runs the sandbox is listed by `amvm ls` like any other. If this process is killed
-//! outright (SIGKILL), the sandbox's supervisor and VM die with it; `amvm ls` then shows it dead
-//! and `amvm rm` removes what is left.
+//! outright (SIGKILL), the sandbox's supervisor and VM die with it, and the next `amvm ls` or
+//! `amvm run` removes what is left; but for a sandbox whose overlay holds changes, which stays
+//! (dead) for `amvm diff` and `amvm commit` until `amvm rm`.
 
 use super::client::Sandbox;
 use super::commands::RunSignals;
@@ -51,6 +52,7 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
     // boots waits for the command, as it would for a VMM run in this process.
     let signals = crate::signals::Signals::block()
         .map_err(|e| SandboxError::Io("blocking signals".into(), e))?;
+    let seccomp = checked.cfg.seccomp;
     let id = match super::supervisor::create_from(
         checked.cfg,
         checked.config,
@@ -67,6 +69,14 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
     let sb = Sandbox::open(&id)?;
     let info = sb.info()?;
     let _supervisor = Reap(info.pid);
+    // From here on this process reads the guest's bytes (the command's frames, the overlay's
+    // upper layer): confined first, while it still has one thread.
+    if let Err(e) = confine(seccomp) {
+        eprintln!("amvm: confining the run: {e}");
+        let _ = sb.stop(0);
+        let _ = super::commands::rm_quietly(&id);
+        return Ok(exit::AMVM_FAILURE);
+    }
     let run = RunSignals::new(&info);
     let exec = super::commands::exec_in(
         &sb,
@@ -116,6 +126,17 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
     Ok(code)
 }
 
+/// A run's jail once its sandbox is up: a private mount namespace (for a non-root user, in a
+/// user namespace mapping only their own ids: the `--overlay-size` tmpfs it detaches at the end
+/// is its own view's), no new privileges, no capabilities, and the `run` seccomp filter
+/// (seccomp.rs): no exec, no ptrace, no sockets but unix streams, no mounts. It keeps its
+/// capabilities (root's, or none): see `confine_process`.
+fn confine(seccomp: bool) -> Result<(), crate::seccomp::SeccompError> {
+    crate::jail::unshare_as_self(0)?;
+    crate::jail::no_new_privs()?;
+    crate::seccomp::confine_process(crate::seccomp::ThreadKind::Run, seccomp)
+}
+
 /// The command's stream broke without an exit status: the VM ended under it. Its VMM said why
 /// on our stderr and its status is the run's (124 for `--timeout`, 125 for a failure); a VMM
 /// killed by a signal, or a guest that shut down under the command, is 125 with that said.
@@ -149,7 +170,7 @@ fn ended_under(sb: &Sandbox, e: SandboxError) -> u8 {
 
 /// Remove the sandboxes of runs that were killed outright (`dead`), but for those that hold an
 /// overlay's changes, which are the user's to take (`amvm diff`, `commit`) or drop (`amvm rm`).
-fn sweep_dead_runs() {
+pub(crate) fn sweep_dead_runs() {
     for info in super::list().unwrap_or_default() {
         // pid 0: one being made this moment (its supervisor not yet forked), not a dead one.
         let dead = info.state == "dead" && info.pid != 0;

@@ -224,7 +224,17 @@ pub fn create_from(
                 return Err(fail(SandboxError::Ended(code)));
             }
             Err(fail(SandboxError::Start(if why.is_empty() {
-                "its supervisor died without saying why".into()
+                // Its last word, if it wrote one (a seccomp report, a panic).
+                std::fs::read_to_string(dir.join("supervisor.log"))
+                    .ok()
+                    .and_then(|l| {
+                        l.lines()
+                            .rev()
+                            .find(|l| !l.trim().is_empty())
+                            .map(str::to_string)
+                    })
+                    .map(|l| format!("its supervisor died: {}", l.trim_start_matches("amvm: ")))
+                    .unwrap_or_else(|| "its supervisor died without saying why".into())
             } else {
                 why.to_string()
             })))
@@ -265,6 +275,8 @@ fn redirect(target: i32, path: Option<&Path>) {
 
 /// The supervisor process; its exit status.
 fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: bool) -> i32 {
+    // Absolute: the supervisor leaves this working directory when it enters its own root.
+    let dir = &std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
     // SAFETY: setsid(2) takes nothing; the forked child is not a group leader.
     unsafe { libc::setsid() };
     // The creator may have blocked signals (a run does, for its command); this process
@@ -344,19 +356,35 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
     info.pid_start = super::start_time(me).unwrap_or(0);
     info.vmm_start = super::start_time(vmm as u32).unwrap_or(0);
     let _ = write_state(dir, &info);
+    let fail = |mut notify: std::fs::File, what: String| {
+        let _ = notify.write_all(what.as_bytes());
+        // SAFETY: kill(2) of our own child.
+        unsafe { libc::kill(vmm, libc::SIGKILL) };
+        1
+    };
+    // Before the first byte from the guest: this process's namespaces and root (jail.rs),
+    // then its runtime, then its seccomp filter (seccomp.rs), which every thread the runtime
+    // starts later inherits.
+    let held = info
+        .config
+        .overlay_size
+        .and(info.config.overlay_scratch.as_deref());
+    if let Err(e) = confine(dir, held) {
+        return fail(notify, format!("confining the supervisor: {e}"));
+    }
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
         .build()
     {
         Ok(rt) => rt,
-        Err(e) => {
-            let _ = writeln!(notify, "starting the supervisor's runtime: {e}");
-            // SAFETY: kill(2) of our own child.
-            unsafe { libc::kill(vmm, libc::SIGKILL) };
-            return 1;
-        }
+        Err(e) => return fail(notify, format!("starting the supervisor's runtime: {e}")),
     };
+    if let Err(e) =
+        crate::seccomp::confine_process(crate::seccomp::ThreadKind::Supervisor, cfg.seccomp)
+    {
+        return fail(notify, e.to_string());
+    }
     let spec = cfg.spec.clone();
     let code = rt.block_on(serve(ServeArgs {
         dir: dir.to_path_buf(),
@@ -371,6 +399,21 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
     let _ = std::fs::remove_file(dir.join("api.sock"));
     let _ = std::fs::remove_file(dir.join("guest.sock"));
     code
+}
+
+/// The supervisor's jail, entered once its VMM is forked (which jails itself): an empty
+/// network namespace (it only accepts on the sockets it has bound), a private mount namespace
+/// whose root holds its state directory and nothing else (and, with `--overlay-size`, the
+/// overlay's scratch tmpfs at its own path, which `amvm diff` and a run's `--changes` read
+/// through `/proc/PID/root`), no new privileges, no capabilities. Must run while the process
+/// has one thread.
+fn confine(dir: &Path, held_scratch: Option<&Path>) -> Result<(), crate::jail::JailError> {
+    crate::jail::unshare_as_self(libc::CLONE_NEWNET)?;
+    let mut dirs = vec![dir];
+    dirs.extend(held_scratch);
+    crate::jail::enter_root_of_dirs(&dirs)?;
+    crate::jail::no_new_privs()?;
+    crate::jail::drop_capabilities()
 }
 
 struct ServeArgs {
