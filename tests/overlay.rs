@@ -50,6 +50,12 @@ struct Bed {
 impl Bed {
     /// DIR: a small project owned by uid 1000 (the workload's user), as a user's checkout is.
     fn new(name: &str) -> Bed {
+        Bed::owned_by(name, 1000)
+    }
+
+    /// DIR owned by `uid` (0: root's, as a CI checkout is); for another user the bed's
+    /// directory is theirs too (the changes file and the scratch directory go there).
+    fn owned_by(name: &str, uid: u32) -> Bed {
         let base =
             PathBuf::from("/dev/shm").join(format!("amvm-overlay-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&base);
@@ -64,11 +70,19 @@ impl Bed {
         std::fs::write(dir.join("docs/guide.md"), "guide\n").unwrap();
         std::fs::write(dir.join("build.sh"), "#!/bin/sh\n").unwrap();
         std::os::unix::fs::symlink("docs/guide.md", dir.join("GUIDE")).unwrap();
-        Command::new("chown")
-            .args(["-R", "-h", "1000:1000"])
-            .arg(&dir)
-            .status()
-            .unwrap();
+        let owner = format!("{uid}:{uid}");
+        let chown = |p: &Path| {
+            assert!(Command::new("chown")
+                .args(["-R", "-h", &owner])
+                .arg(p)
+                .status()
+                .unwrap()
+                .success());
+        };
+        chown(&dir);
+        if uid != 0 && uid != 1000 {
+            chown(&base);
+        }
         let changes = base.join("changes.tar");
         Bed { base, dir, changes }
     }
@@ -327,4 +341,118 @@ impl Drop for Cleanup {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Issue 36: the workspace's owner appears in the guest as the workload's user (virtiofsd's id
+/// translation), read-only or under an overlay, and what the workload writes is, on the host,
+/// the user's who ran amvm. Here root runs amvm on a root-owned checkout, as on a CI machine,
+/// where the workload (uid 1000) could write nothing before.
+#[test]
+fn a_root_owned_checkout_works_for_the_workload_as_root() {
+    let bed = Bed::owned_by("root-owned", 0);
+    std::fs::write(bed.dir.join("secret"), "root's own\n").unwrap();
+    std::fs::set_permissions(
+        bed.dir.join("secret"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    // Read-only: the owner's files are the workload's (even mode 0600 ones), and still not
+    // writable.
+    let ro = run_vm(
+        &["--workspace", bed.dir.to_str().unwrap()],
+        &[
+            "sh",
+            "-c",
+            "id -u; stat -c '%u:%g' /workspace /workspace/README; cat /workspace/secret; \
+             echo x > /workspace/new 2>/dev/null && echo wrote || echo refused",
+        ],
+    );
+    assert_eq!(ro.code, 0, "{ro:?}");
+    assert_eq!(
+        ro.stdout_str(),
+        "1000\n1000:1000\n1000:1000\nroot's own\nrefused\n"
+    );
+    // Overlay: the agent edits as it would in its own checkout.
+    let before = manifest(&bed.dir);
+    let o = bed.run(
+        &[],
+        "set -e; cd /workspace; stat -c '%u:%g' . src/main.rs
+         echo 'fn main() { fixed() }' > src/main.rs
+         mkdir -p new/dir && echo hi > new/dir/f && rm src/stale.rs && echo done",
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(o.stdout_str(), "1000:1000\n1000:1000\ndone\n");
+    assert_eq!(manifest(&bed.dir), before, "DIR was written");
+    let (copy, applied) = bed.apply_to_copy();
+    assert!(applied.status.success(), "{applied:?}");
+    assert_eq!(
+        std::fs::read_to_string(copy.join("src/main.rs")).unwrap(),
+        "fn main() { fixed() }\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(copy.join("new/dir/f")).unwrap(),
+        "hi\n"
+    );
+    assert!(!copy.join("src/stale.rs").exists());
+    assert_eq!(bed.left(), ["changes.tar", "copy", "repo"]);
+}
+
+/// The same for a user who is not the workload's uid (4321, a kvm group member), on their own
+/// checkout: they see their files as the workload's, its writes land in the upper layer as
+/// theirs (checked on the host while a sandbox runs), and `amvm apply` as them reproduces them.
+#[test]
+fn a_users_own_checkout_works_for_the_workload_as_that_user() {
+    use std::os::unix::fs::MetadataExt;
+    amvm_tests::require_kvm();
+    let bed = Bed::owned_by("user-owned", 4321);
+    let kvm = std::fs::metadata("/dev/kvm").expect("/dev/kvm").gid();
+    let as_user = |args: &[&str]| {
+        let out = Command::new("setpriv")
+            .args([
+                "--reuid=4321",
+                "--regid=4321",
+                &format!("--groups={kvm}"),
+                "--inh-caps=-all",
+            ])
+            .arg(amvm_bin())
+            .args(args)
+            .env("HOME", &bed.base)
+            .env_remove("AMVM_CACHE")
+            .env_remove("XDG_RUNTIME_DIR")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        amvm_tests::Outcome::from(out)
+    };
+    let ws = format!("{}:overlay", bed.dir.display());
+    let name = format!("owned-{}", std::process::id());
+    let c = as_user(&["create", "--name", &name, "--workspace", &ws]);
+    assert_eq!(c.code, 0, "{c:?}");
+    let o = as_user(&[
+        "exec",
+        &name,
+        "--",
+        "sh",
+        "-c",
+        "set -e; cd /workspace; id -u; stat -c '%u:%g' . README; echo hi > made; mkdir d; echo ok",
+    ]);
+    assert_eq!(o.code, 0, "{o:?}");
+    assert_eq!(o.stdout_str(), "1000\n1000:1000\n1000:1000\nok\n");
+    let info = as_user(&["inspect", &name]);
+    assert_eq!(info.code, 0, "{info:?}");
+    let info: serde_json::Value = serde_json::from_str(&info.stdout_str()).unwrap();
+    let scratch = PathBuf::from(info["config"]["overlay_scratch"].as_str().unwrap());
+    for made in ["made", "d"] {
+        let m = std::fs::symlink_metadata(scratch.join("upper").join(made)).unwrap();
+        assert_eq!(
+            (m.uid(), m.gid()),
+            (4321, 4321),
+            "{made} in the upper layer"
+        );
+    }
+    let d = as_user(&["diff", &name]);
+    assert_eq!(d.code, 0, "{d:?}");
+    let rm = as_user(&["rm", "-f", &name]);
+    assert_eq!(rm.code, 0, "{rm:?}");
+    assert!(!scratch.exists(), "the scratch directory is left");
 }

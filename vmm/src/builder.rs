@@ -173,13 +173,22 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     let mut fs_streams = Vec::with_capacity(cfg.shares.len());
     for (tag, dir, writable) in &cfg.shares {
         let stable = tag == crate::config::TAG_SYSTEM;
+        // The workspace's owner appears in the guest as the workload's user, and what the
+        // workload makes there is the host user's who runs amvm (fs::translate_ids): a
+        // root-owned checkout works for the unprivileged workload, as root and as any user.
+        let ids = if tag == crate::config::TAG_WORKSPACE {
+            workspace_ids(dir, cfg.spec.uid, cfg.spec.gid)
+        } else {
+            Vec::new()
+        };
         // An overlay workspace is served from its merged directory (whose writes go to the
         // upper layer); an rw volume is the host directory itself.
         let (dir, writable) = match &overlay {
             Some(merged) if tag == crate::config::TAG_WORKSPACE => (merged, true),
             _ => (dir, *writable),
         };
-        let (backend, stream) = Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, writable, &policy)?;
+        let (backend, stream) =
+            Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, writable, &ids, &policy)?;
         backends.push(backend);
         fs_streams.push((tag, stream));
     }
@@ -615,4 +624,33 @@ mod tests {
         let note = console_note("a\nKernel panic - not syncing: x\nb\n");
         assert_eq!(note.matches("Kernel panic").count(), 1, "{note}");
     }
+}
+
+/// virtiofsd's id translation for the workspace DIR (its owner, as the workload's user), for
+/// a workload of `uid:gid`. A DIR that cannot be read here is left as it is (virtiofsd says
+/// why it cannot serve it).
+fn workspace_ids(dir: &Path, uid: u32, gid: u32) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return Vec::new();
+    };
+    // SAFETY: geteuid(2) and getegid(2) take nothing and cannot fail.
+    let (runner_uid, runner_gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    let mut ids = crate::fs::translate_ids(
+        "--translate-uid",
+        crate::fs::Ids {
+            owner: meta.uid(),
+            runner: runner_uid,
+            workload: uid,
+        },
+    );
+    ids.extend(crate::fs::translate_ids(
+        "--translate-gid",
+        crate::fs::Ids {
+            owner: meta.gid(),
+            runner: runner_gid,
+            workload: gid,
+        },
+    ));
+    ids
 }

@@ -141,6 +141,38 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     })
 }
 
+/// One kind of id (uids or gids) for [`translate_ids`]: the workspace's owner, whoever runs
+/// amvm (and so virtiofsd), and the workload's user in the guest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ids {
+    pub owner: u32,
+    pub runner: u32,
+    pub workload: u32,
+}
+
+/// virtiofsd's arguments that make the workspace's owner appear in the guest as the workload's
+/// user, and the workload's files come back owned by whoever runs amvm, with `flag`
+/// (`--translate-uid` or `--translate-gid`):
+/// * `map:WORKLOAD:RUNNER:1`: the workload's user and amvm's user are one (both ways): what the
+///   workload creates is the runner's on the host, the runner's files are the workload's;
+/// * `host:OWNER:WORKLOAD:1` where the owner is someone else (root's run of a user's checkout):
+///   their files show as the workload's too (one way: a new file is still the runner's).
+///
+/// Every other id passes unchanged, as without translation. Nothing when all three are one.
+/// (As root, virtiofsd then does the workload's requests as root, inside the one shared tree:
+/// the workspace that was the workload's to read, or an overlay's merged view that is its to
+/// write.)
+pub fn translate_ids(flag: &str, ids: Ids) -> Vec<String> {
+    let mut out = Vec::new();
+    if ids.workload != ids.runner {
+        out.push(format!("{flag}=map:{}:{}:1", ids.workload, ids.runner));
+    }
+    if ids.owner != ids.runner && ids.owner != ids.workload {
+        out.push(format!("{flag}=host:{}:{}:1", ids.owner, ids.workload));
+    }
+    out
+}
+
 /// A running virtiofsd.
 #[derive(Debug)]
 pub struct Virtiofsd {
@@ -154,11 +186,14 @@ impl Virtiofsd {
     /// `stable`: the tree does not change while the guest runs (a system root), so the guest
     /// may cache names and attributes for good (`--cache=always`); otherwise (a workspace the
     /// user may be editing) for about a second (`--cache=auto`).
+    /// `ids`: `--translate-uid`/`--translate-gid` arguments ([`translate_ids`]), for the
+    /// workspace.
     pub fn spawn(
         bin: &Path,
         dir: &Path,
         stable: bool,
         writable: bool,
+        ids: &[String],
         policy: &Policy,
     ) -> Result<(Virtiofsd, UnixStream), FsError> {
         if !bin.is_file() {
@@ -188,6 +223,7 @@ impl Virtiofsd {
                 "--inode-file-handles=never",
                 "--log-level=error",
             ])
+            .args(ids)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -340,6 +376,40 @@ fn nonce() -> u32 {
 
 #[cfg(test)]
 mod tests {
+    use super::{translate_ids, Ids};
+
+    #[test]
+    fn the_workspace_owner_appears_as_the_workload_user() {
+        let t = |owner, runner, workload| {
+            translate_ids(
+                "--translate-uid",
+                Ids {
+                    owner,
+                    runner,
+                    workload,
+                },
+            )
+        };
+        // A user's own checkout, the workload as that user: nothing to translate.
+        assert!(t(1000, 1000, 1000).is_empty());
+        // Root's run of root's checkout (CI): root's files are the workload's and back.
+        assert_eq!(t(0, 0, 1000), ["--translate-uid=map:1000:0:1"]);
+        // A user 1001's own checkout, the workload 1000.
+        assert_eq!(t(1001, 1001, 1000), ["--translate-uid=map:1000:1001:1"]);
+        // Root's run of user 1001's checkout: 1001's files show as the workload's too.
+        assert_eq!(
+            t(1001, 0, 1000),
+            [
+                "--translate-uid=map:1000:0:1",
+                "--translate-uid=host:1001:1000:1"
+            ]
+        );
+        // The workload as root (--user 0) on a user's checkout run by root.
+        assert_eq!(t(1001, 0, 0), ["--translate-uid=host:1001:0:1"]);
+        // A checkout already the workload's, run by root: the map only.
+        assert_eq!(t(1000, 0, 1000), ["--translate-uid=map:1000:0:1"]);
+    }
+
     #[test]
     fn the_expected_virtiofsd_is_the_one_images_setup_installs() {
         let script = std::fs::read_to_string(concat!(
@@ -463,6 +533,7 @@ mod tests {
             Path::new("/"),
             true,
             false,
+            &[],
             &Policy::new(false).unwrap(),
         )
         .unwrap_err();
