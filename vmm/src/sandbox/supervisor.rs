@@ -337,12 +337,23 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
             None => redirect(2, Some(&dir.join("vmm.log"))),
         }
         drop(user_stderr);
+        // Asked now: once the VMM's filters are in, isatty's ioctl is refused.
+        // SAFETY: isatty(3) of a descriptor number.
+        let on_terminal = unsafe { libc::isatty(2) } == 1;
         let code = match crate::builder::run(&cfg, &crate::builder::Timeline::start()) {
             Ok(code) => code,
             Err(e) => {
                 // 124 for its --timeout, as a run's (describe_end says "timed out").
                 let code = e.exit_code();
-                eprintln!("amvm: {:#}", anyhow::Error::from(e));
+                let text = format!("amvm: {:#}\n", anyhow::Error::from(e));
+                // On a terminal (a run's, maybe raw under `-it`), CR LF: the line starts at
+                // its left margin either way.
+                let text = if on_terminal {
+                    text.replace('\n', "\r\n")
+                } else {
+                    text
+                };
+                let _ = std::io::stderr().write_all(text.as_bytes());
                 code
             }
         };
@@ -651,12 +662,7 @@ async fn serve(a: ServeArgs) -> i32 {
 fn describe_end(status: i32, dir: &Path) -> String {
     let last = std::fs::read_to_string(dir.join("vmm.log"))
         .ok()
-        .and_then(|l| {
-            l.lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .map(str::to_string)
-        });
+        .and_then(|l| last_word(&l));
     let with_last = |s: String| match &last {
         Some(l) => format!("{s}: {}", l.trim_start_matches("amvm: ")),
         None => s,
@@ -670,6 +676,29 @@ fn describe_end(status: i32, dir: &Path) -> String {
             n => with_last(format!("the VMM failed (status {n})")),
         }
     }
+}
+
+/// What the VMM's log says last: its last report (the last line that begins `amvm: `), cut
+/// before the guest console's lines it quotes, and the guest kernel's panic line wherever it
+/// is among them (a long call trace after it does not push it out); else its last line.
+fn last_word(log: &str) -> Option<String> {
+    let lines: Vec<&str> = log.lines().filter(|l| !l.trim().is_empty()).collect();
+    let Some(at) = lines.iter().rposition(|l| l.starts_with("amvm: ")) else {
+        return lines.last().map(|l| l.to_string());
+    };
+    let head = lines[at];
+    let head = head
+        .split_once("; the guest console's last lines:")
+        .map_or(head, |(h, _)| h);
+    Some(
+        match lines[at..]
+            .iter()
+            .find(|l| l.contains(crate::output::PANIC_MARK))
+        {
+            Some(panic) => format!("{head}: {}", panic.trim()),
+            None => head.to_string(),
+        },
+    )
 }
 
 type ControlParts = (
@@ -1101,5 +1130,38 @@ async fn relay(sup: &Sup, id: u64, client: UnixStream, guest: UnixStream, leftov
             // The client is gone (or broke the protocol): so is its command.
             sup.send_control(FrameKind::ExecSignal, &exec_signal_payload(id, libc::SIGKILL as u8));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_word;
+
+    #[test]
+    fn the_panic_line_is_kept_whatever_the_tail() {
+        let mut log = String::from(
+            "amvm: the guest stopped (its kernel panicked) without reporting an exit status; the guest console's last lines:\n\
+             [    2.0] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000009\n",
+        );
+        for i in 0..40 {
+            log.push_str(&format!("[    2.1] trace line {i}\n"));
+        }
+        assert_eq!(
+            last_word(&log).unwrap(),
+            "amvm: the guest stopped (its kernel panicked) without reporting an exit status: [    2.0] Kernel panic - not syncing: Attempted to kill init! exitcode=0x00000009"
+        );
+        // A report without a panic: the report itself, not the console's last line.
+        assert_eq!(
+            last_word("amvm: timed out after 3 s\n\n").unwrap(),
+            "amvm: timed out after 3 s"
+        );
+        assert_eq!(
+            last_word("amvm: the guest failed: x; the guest console's last lines:\nboot\nend\n")
+                .unwrap(),
+            "amvm: the guest failed: x"
+        );
+        // No report at all: the last line.
+        assert_eq!(last_word("a\nb\n").unwrap(), "b");
+        assert_eq!(last_word(""), None);
     }
 }
