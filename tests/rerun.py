@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""tests/run's rerun rule, one test at a time, and each test's one final result.
+
+    tests/rerun.py decide TRY1_LOG LIST       the tests to run again, one per line: NAME<TAB>WHY
+                                              (LIST: the binary's `--list` output)
+    tests/rerun.py merge TRY1_LOG [TRY2_LOG]  each test's final result: NAME<TAB>ok|FAILED|ignored
+
+A test is run again (once) only when the test bed, not amvm, is to blame for it:
+- the emulated KVM host's own kernel died (a panic or BUG on its console) or wedged (no heartbeat)
+  while the test was still running: every test with no result yet is run again; a test that had
+  already failed stays failed. A wedge is blamed on amvm instead, and nothing is run again, when
+  the emulated host's last heartbeat counted leaked VMMs or virtiofsd (processes of amvm's left
+  without their parent), which can starve its one CPU;
+- a nested guest's kernel panicked on its entry trampoline stack (a timer interrupt at its iret
+  to user mode: the test bed's interrupt delivery, tests/kvm-host/README.md): only a failed test
+  whose own failure report holds all three marks of that panic.
+Every other failure is final: a rerun never hides an assertion that failed elsewhere in the
+binary. The merge takes a rerun test's second result; all others keep their first.
+"""
+import re
+import sys
+
+RESULT = re.compile(r"^test (\S+) \.\.\. (ok|FAILED|ignored)\b")
+BLOCK = re.compile(r"^---- (\S+) stdout ----$")
+TRAMPOLINE = (
+    "</ENTRY_TRAMPOLINE>",
+    "CR2: fffffe0000",
+    "Kernel panic - not syncing: Fatal exception in interrupt",
+)
+HOST_DIED = "kvm-host: the emulated host ended without an exit status"
+HOST_CRASH = re.compile(r"kvm-host: console: .*(Kernel panic|BUG:)")
+STALLED = "kvm-host: the emulated host stopped responding"
+HEARTBEAT = re.compile(r"kvm-host: last heartbeat: alive leaked=(\d+)(.*)")
+
+
+def read(path):
+    with open(path, errors="replace") as f:
+        return f.read().splitlines()
+
+
+def results(lines):
+    out = {}
+    for line in lines:
+        m = RESULT.match(line)
+        if m:
+            out[m[1]] = m[2]
+    return out
+
+
+def failure_blocks(lines):
+    blocks, name = {}, None
+    for line in lines:
+        m = BLOCK.match(line)
+        if m:
+            name = m[1]
+            blocks[name] = []
+        elif line == "failures:" or line.startswith("test result:"):
+            name = None
+        elif name:
+            blocks[name].append(line)
+    return {k: "\n".join(v) for k, v in blocks.items()}
+
+
+def decide(lines, all_tests):
+    got = results(lines)
+    text = "\n".join(lines)
+    rerun = {}
+    died = HOST_DIED in text and bool(HOST_CRASH.search(text))
+    stalled = STALLED in text
+    if stalled:
+        beats = HEARTBEAT.findall(text)
+        leaked = int(beats[-1][0]) if beats else 0
+        if leaked:
+            print(
+                f"# not run again: the emulated host wedged with {leaked} leaked VMM or virtiofsd "
+                f"process(es) of amvm's running{beats[-1][1]}",
+                file=sys.stderr,
+            )
+            stalled = False
+    if died or stalled:
+        why = "the emulated KVM host's kernel " + ("died" if died else "wedged")
+        for t in all_tests:
+            if t not in got:
+                rerun[t] = why
+    for name, block in failure_blocks(lines).items():
+        if got.get(name) == "FAILED" and all(m in block for m in TRAMPOLINE):
+            rerun[name] = "a nested guest's kernel panicked on its entry trampoline stack"
+    return rerun
+
+
+def main():
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "decide":
+        # decide TRY1_LOG LIST_FILE: LIST_FILE holds the binary's tests (its `--list` output).
+        lines = read(args[0])
+        all_tests = [l[: -len(": test")] for l in read(args[1]) if l.endswith(": test")]
+        for name, why in sorted(decide(lines, all_tests).items()):
+            print(f"{name}\t{why}")
+    elif cmd == "merge":
+        final = results(read(args[0]))
+        if len(args) > 1:
+            final.update(results(read(args[1])))
+        for name, res in sorted(final.items()):
+            print(f"{name}\t{res}")
+    else:
+        sys.exit(f"unknown command {cmd}")
+
+
+if __name__ == "__main__":
+    main()
