@@ -8,7 +8,10 @@ Every fenced code block in those files must name its language. A block whose inf
 `sh` is a command to run where /dev/kvm is real (tests/docs.rs runs them through
 tests/kvm-host/run); `sh host` runs on this machine as it is (tests/run runs those); `sh no-run:
 REASON` is not run, and the reason is printed. ` exit=N` after any of them: the block must exit
-N (default 0). Other languages (text, ini, yaml, ...) are not commands.
+N (default 0). ` prints` after `sh` or `sh host` (last): the next block of the file, a `text` one,
+is exactly what the block prints, its stdout and stderr together in the order written (trailing
+spaces and blank lines at the end aside), and the block fails if it prints anything else. Other
+languages (text, ini, yaml, ...) are not commands.
 
 Each block runs whole with `bash -e -o pipefail`, from the repository's root, with the `amvm`
 under test ($AMVM_BIN's directory) first on PATH and a fresh $AMVM_DOC_TMP directory. The report
@@ -65,7 +68,7 @@ def classify(path, line, info):
     """-> (where, expected_exit, reason) for a sh block, None for other languages."""
     if not info:
         raise DocError(f"{path}:{line}: a code block without a language (use sh, text, ...)")
-    m = re.match(r"^sh(?:\s+(host|no-run:\s*(.+?)))?(?:\s+exit=(\d+))?\s*$", info)
+    m = re.match(r"^sh(?:\s+(host|no-run:\s*(.+?)))?(?:\s+exit=(\d+))?(\s+prints)?\s*$", info)
     if not info.split()[0].startswith("sh"):
         return None
     if not m or info.split()[0] != "sh":
@@ -76,33 +79,57 @@ def classify(path, line, info):
         where = "host"
     elif m.group(1):
         where, reason = "no-run", m.group(2)
-    return where, int(m.group(3) or 0), reason
+    if m.group(4) and where == "no-run":
+        raise DocError(f"{path}:{line}: a block that is not run cannot promise what it prints")
+    return where, int(m.group(3) or 0), reason, bool(m.group(4))
 
 
 def collect():
+    """(path, line, where, exit, reason, text, output): `output` is what a `prints` block must
+    print (the next block's text), else None."""
     found = []
     for path in doc_files():
-        for line, info, text in blocks(path):
+        bl = blocks(path)
+        for k, (line, info, text) in enumerate(bl):
             c = classify(path, line, info)
-            if c:
-                found.append((path, line, *c, text))
+            if not c:
+                continue
+            where, code, reason, prints = c
+            output = None
+            if prints:
+                if k + 1 == len(bl) or bl[k + 1][1] != "text":
+                    raise DocError(f"{path}:{line}: `prints`, but no text block follows")
+                output = bl[k + 1][2]
+            found.append((path, line, where, code, reason, text, output))
     return found
 
 
-def run(text, expected):
+def same_output(got, want):
+    norm = lambda t: "\n".join(l.rstrip() for l in t.splitlines()).rstrip("\n")
+    return norm(got) == norm(want)
+
+
+def run(text, expected, output=None):
     env = dict(os.environ)
     amvm = os.environ.get("AMVM_BIN")
     if amvm:
         env["PATH"] = os.path.dirname(os.path.abspath(amvm)) + os.pathsep + env.get("PATH", "")
     with tempfile.TemporaryDirectory(prefix="amvm-doc.") as tmp:
         env["AMVM_DOC_TMP"] = tmp
+        # A block that promises its output writes stdout and stderr to one pipe, in order.
+        err = subprocess.STDOUT if output is not None else subprocess.PIPE
         try:
             p = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", text], cwd=ROOT, env=env,
-                               stdin=subprocess.DEVNULL, capture_output=True, timeout=TIMEOUT_S)
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                               timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return False, f"did not end within {TIMEOUT_S} s", b"", b""
-    ok = p.returncode == expected
-    return ok, f"exit {p.returncode}, expected {expected}", p.stdout, p.stderr
+    stderr = p.stderr or b""
+    if p.returncode != expected:
+        return False, f"exit {p.returncode}, expected {expected}", p.stdout, stderr
+    if output is not None and not same_output(p.stdout.decode(errors="replace"), output):
+        return False, f"it printed other than the text block after it, which is:\n{output}", p.stdout, stderr
+    return True, "", p.stdout, stderr
 
 
 def main():
@@ -116,17 +143,18 @@ def main():
         print(f"docs: {e}", file=sys.stderr)
         return 1
     if args.list or not args.where:
-        for path, line, where, expected, reason, _ in found:
-            print(f"{path}:{line}\t{where}\texit={expected}\t{reason or ''}")
+        for path, line, where, expected, reason, _, output in found:
+            shown = "\tprints" if output is not None else ""
+            print(f"{path}:{line}\t{where}\texit={expected}{shown}\t{reason or ''}")
         return 0
     passed = failed = 0
-    for path, line, where, expected, reason, text in found:
+    for path, line, where, expected, reason, text, output in found:
         if where == "no-run":
             print(f"skip {path}:{line}: not run here: {reason}")
             continue
         if where != args.where:
             continue
-        ok, why, out, err = run(text, expected)
+        ok, why, out, err = run(text, expected, output)
         if ok:
             passed += 1
             print(f"ok   {path}:{line}")
