@@ -525,3 +525,130 @@ fn a_forbidden_call_on_any_thread_kills_amvm_and_names_the_call() {
     leftovers::nothing_left(ws.to_str().unwrap(), pid);
     let _ = std::fs::remove_dir_all(&ws);
 }
+
+/// Issue 36: the supervisor parses what the guest sends on its control and exec streams. Those
+/// reach it on `guest.sock`, each behind the VMM's one-byte tag, the guest's bytes after it
+/// relayed as they are; this test speaks there as a hostile guest's streams would arrive
+/// (the VMM's relay itself is byte-exact: tests/egress.rs): a second control stream, an exec
+/// stream whose first frame is not its Attach, a truncated Attach, an oversized frame, an
+/// Attach to an exec nobody asked for followed by megabytes, an unknown tag, and a flood of
+/// such streams at once. Each is closed by the supervisor, and the sandbox serves on: an exec
+/// that was running throughout gets its input and gives its output and status, and a new one
+/// after it works.
+#[test]
+fn hostile_guest_streams_are_refused_and_the_supervisor_serves_on() {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+    require_kvm();
+    let runtime = std::env::temp_dir().join(format!("amvm-hostile-{}", std::process::id()));
+    std::fs::create_dir_all(&runtime).unwrap();
+    let env = [("XDG_RUNTIME_DIR", runtime.to_str().unwrap())];
+    let c = amvm_tests::amvm(["create", "--mem", "256"], &env);
+    assert_eq!(c.code, 0, "{c:?}");
+    let id = c.stdout_str().trim().to_string();
+    let guest_sock = runtime.join("amvm").join(&id).join("guest.sock");
+    // An exec that runs throughout: it waits for a line on stdin.
+    let mut waiting = Command::new(amvm_bin())
+        .args([
+            "exec",
+            "-i",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "read x; echo got $x; exit 5",
+        ])
+        .env("XDG_RUNTIME_DIR", &runtime)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let frame = |kind: u8, len: u32, payload: &[u8]| {
+        let mut f = vec![kind];
+        f.extend_from_slice(&len.to_le_bytes());
+        f.extend_from_slice(payload);
+        f
+    };
+    let attach = |id: u64| frame(5, 8, &id.to_le_bytes());
+    let stdout_frames: Vec<u8> = (0..128)
+        .flat_map(|_| frame(1, 64 * 1024, &[b'x'; 64 * 1024]))
+        .collect();
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "a second control stream",
+            [&[b'C'][..], &frame(1, 3, b"abc")].concat(),
+        ),
+        (
+            "an exec stream opening with Stdout",
+            [&[b'E'][..], &frame(1, 8, &[0; 8])].concat(),
+        ),
+        (
+            "an exec stream opening with a Spec",
+            [&[b'E'][..], &frame(16, 8, &[0; 8])].concat(),
+        ),
+        ("a truncated Attach", vec![b'E', 5, 8, 0]),
+        (
+            "an oversized frame",
+            [&[b'E'][..], &frame(5, u32::MAX, &[0; 8])].concat(),
+        ),
+        (
+            "an Attach to no exec, then 8 MiB",
+            [&[b'E'][..], &attach(u64::MAX), &stdout_frames].concat(),
+        ),
+        ("an unknown tag", vec![b'Z'; 4096]),
+    ];
+    let closed = |conn: &mut UnixStream, what: &str| {
+        conn.set_read_timeout(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        let mut b = [0u8; 64];
+        match conn.read(&mut b) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("{what}: the supervisor did not close the stream: {other:?}"),
+        }
+    };
+    for (what, bytes) in &cases {
+        let mut conn = UnixStream::connect(&guest_sock).unwrap();
+        // A stream the supervisor closes while we write is refused: that is the point.
+        let _ = conn.write_all(bytes);
+        let _ = conn.shutdown(std::net::Shutdown::Write);
+        closed(&mut conn, what);
+    }
+    // A flood: 200 streams at once, half of them lying in their first frame, half holding an
+    // unfinished Attach open.
+    let mut flood = Vec::new();
+    for i in 0..200 {
+        let mut conn = UnixStream::connect(&guest_sock).unwrap();
+        if i % 2 == 0 {
+            let _ = conn.write_all(&[&[b'E'][..], &frame(3, 8, &[9; 8])].concat());
+        } else {
+            let _ = conn.write_all(&[b'E', 5]);
+        }
+        flood.push(conn);
+    }
+    for (i, conn) in flood.iter_mut().enumerate().filter(|(i, _)| i % 2 == 0) {
+        closed(conn, &format!("flood stream {i}"));
+    }
+    // The sandbox serves on: a new exec, and the one that waited throughout.
+    let o = amvm_tests::amvm(["exec", &id, "--", "sh", "-c", "echo still; exit 3"], &env);
+    assert_eq!((o.code, o.stdout_str().as_str()), (3, "still\n"), "{o:?}");
+    waiting
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"through\n")
+        .unwrap();
+    let w = waiting.wait_with_output().unwrap();
+    assert_eq!(w.status.code(), Some(5), "{w:?}");
+    assert_eq!(String::from_utf8_lossy(&w.stdout), "got through\n");
+    drop(flood);
+    let info = amvm_tests::amvm(["inspect", &id], &env);
+    assert!(
+        info.stdout_str().contains("\"state\": \"running\""),
+        "{info:?}"
+    );
+    let rm = amvm_tests::amvm(["rm", "-f", &id], &env);
+    assert_eq!(rm.code, 0, "{rm:?}");
+    let _ = std::fs::remove_dir_all(&runtime);
+}
