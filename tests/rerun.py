@@ -4,6 +4,7 @@
     tests/rerun.py decide TRY1_LOG LIST       the tests to run again, one per line: NAME<TAB>WHY
                                               (LIST: the binary's `--list` output)
     tests/rerun.py merge TRY1_LOG [TRY2_LOG]  each test's final result: NAME<TAB>ok|FAILED|ignored
+    tests/rerun.py selftest                   the rule checked on made-up logs
 
 A test is run again (once) only when the test bed, not amvm, is to blame for it:
 - the emulated KVM host's own kernel died (a panic or BUG on its console) or wedged (no heartbeat)
@@ -88,8 +89,40 @@ def decide(lines, all_tests):
     return rerun
 
 
+def selftest():
+    """The rule on made-up logs: what it reruns and what it never may."""
+    listing = ["a", "b", "c", "d"]
+    tramp = ["    </ENTRY_TRAMPOLINE>", "CR2: fffffe0000001ff8",
+             "Kernel panic - not syncing: Fatal exception in interrupt"]
+    # A trampoline panic in b, a real assertion in c: only b again.
+    log = ["test a ... ok", "test b ... FAILED", "test c ... FAILED", "test d ... ok", "",
+           "failures:", "", "---- b stdout ----", *tramp, "", "---- c stdout ----",
+           "assertion `left == right` failed", "", "failures:", "    b", "    c",
+           "test result: FAILED. 2 passed; 2 failed"]
+    assert decide(log, listing) == {"b": "a nested guest's kernel panicked on its entry trampoline stack"}, decide(log, listing)
+    # The host died under c and d: those two again; b's assertion stays.
+    log = ["test a ... ok", "test b ... FAILED", HOST_DIED, "kvm-host: console: [ 9.1] Kernel panic - x"]
+    assert sorted(decide(log, listing)) == ["c", "d"], decide(log, listing)
+    # The host wedged: the unfinished again, unless amvm had leaked processes.
+    log = ["test a ... ok", STALLED + ": no heartbeat", "kvm-host: last heartbeat: alive leaked=0"]
+    assert sorted(decide(log, listing)) == ["b", "c", "d"]
+    log = ["test a ... ok", STALLED + ": no heartbeat", "kvm-host: last heartbeat: alive leaked=2 7:amvm 9:virtiofsd"]
+    assert decide(log, listing) == {}
+    # A plain failure: nothing again. A died host without a crash on its console: nothing.
+    assert decide(["test a ... FAILED", "failures:", "---- a stdout ----", "boom"], listing) == {}
+    assert decide(["test a ... ok", HOST_DIED], listing) == {}
+    # The merge: a rerun test's second result, the rest their first.
+    first = results(["test a ... ok", "test b ... FAILED", "test c ... FAILED"])
+    first.update(results(["test b ... ok"]))
+    assert first == {"a": "ok", "b": "ok", "c": "FAILED"}
+    print("tests/rerun.py: the rerun rule holds on its made-up logs")
+
+
 def main():
     cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "selftest":
+        selftest()
+        return
     if cmd == "decide":
         # decide TRY1_LOG LIST_FILE: LIST_FILE holds the binary's tests (its `--list` output).
         lines = read(args[0])
