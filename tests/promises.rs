@@ -284,7 +284,7 @@ fn read_only_shares_stay_read_only_on_the_host_after_a_guest_remount() {
             &format!(
                 "mount -o remount,rw {dir} && echo remounted; \
                  echo guest > {dir}/f 2>/dev/null && echo wrote || echo refused; \
-                 : > {dir}/new 2>/dev/null && echo made || echo refused"
+                 touch {dir}/new 2>/dev/null && echo made || echo refused"
             ),
         );
         assert_eq!(
