@@ -408,6 +408,25 @@ fn pids_memory_and_cpu_limits_size_the_vm() {
     assert_eq!(lines[2], "2", "vCPUs from --cpus 2");
 }
 
+/// docs/engines.md: the `io.amvm.egress` annotation names a host unix socket the container
+/// reaches through amvm's egress relay (127.0.0.1:4700 in the guest), and nothing else.
+#[test]
+fn the_egress_annotation_gives_the_container_its_egress() {
+    use amvm_tests::egress_server::{EgressServer, Pace};
+    let p = Podman::new("egress");
+    let egress = EgressServer::start("oci-annotation", Pace::Fast);
+    let annotation = format!("io.amvm.egress={}", egress.path_str());
+    let out = p.run_sh(
+        &["--annotation", &annotation],
+        "printf 'DOWN 100000\\n' | nc 127.0.0.1 4700 | wc -c",
+    );
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(out.stdout_str().trim(), "100000", "{}", out.stderr);
+    // Without the annotation there is no egress at all.
+    let out = p.run_sh(&[], "printf 'DOWN 10\\n' | nc 127.0.0.1 4700 | wc -c");
+    assert_eq!(out.stdout_str().trim(), "0", "{}", out.stderr);
+}
+
 #[test]
 fn run_it_gives_a_terminal_of_the_callers_size() {
     let p = Podman::new("tty");
@@ -590,13 +609,12 @@ fn docker_runs_execs_stops_and_kills_containers_in_amvm() {
         "echo out; echo err >&2; uname -r; exit 3",
     ]);
     assert_eq!(out.code, 3, "{}", out.stderr);
-    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     let text = out.stdout_str();
     assert!(text.starts_with("out\n"), "{text}");
-    assert_ne!(
+    assert_eq!(
         &text[4..],
-        host_kernel,
-        "the guest's kernel, not the host's"
+        amvms_kernel(),
+        "the kernel amvm boots, not another"
     );
     assert!(out.stderr.contains("err\n"), "{}", out.stderr);
 
@@ -705,17 +723,35 @@ fn docker_runs_the_seed_platforms_sandbox_settings_together() {
            grep ' /tmp ' /proc/mounts | cut -d' ' -f4
            cat /sys/class/net/*/operstate 2>/dev/null | wc -l
            (i=0; while [ $i -lt 200 ]; do sleep 60 & i=$((i+1)); echo $i > /tmp/n; done) 2>/dev/null
-           read n < /tmp/n; [ "$n" -lt 64 ] && echo forks stopped below 64"#,
+           read n < /tmp/n; [ "$n" -lt 64 ] && echo forks stopped below 64
+           while read k v u; do [ "$k" = MemTotal: ] && echo mem $((v >> 10)); done < /proc/meminfo
+           n=0; while read k rest; do [ "$k" = processor ] && n=$((n+1)); done < /proc/cpuinfo
+           echo cpus $n"#,
     ]);
     assert_eq!(out.code, 0, "{}", out.stderr);
+    let text = out.stdout_str();
+    let (head, sizes) = text.split_at(text.find("mem ").unwrap_or(text.len()));
     assert_eq!(
-        out.stdout_str(),
+        head,
         "65534\n/workspace\nfix the test\nread-only root\nNoNewPrivs:\t1\n\
          CapEff:\t0000000000000000\nrw,nosuid,nodev,noexec,relatime,size=65536k\n1\n\
          forks stopped below 64\n",
         "{}",
         out.stderr
     );
+    // --memory 256m and --cpus 1 size the VM: its RAM is the limit plus amvm's headroom
+    // (64 MiB), less what the kernel keeps.
+    let mem: u32 = sizes
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix("mem "))
+        .and_then(|m| m.parse().ok())
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        (256..320).contains(&mem),
+        "MemTotal {mem} MiB from --memory 256m"
+    );
+    assert!(sizes.ends_with("cpus 1\n"), "{text}");
     assert_eq!(
         std::fs::read_to_string(ws.join("result.txt")).unwrap(),
         "done\n"
@@ -792,4 +828,24 @@ fn containerd_runs_a_container_in_amvm_through_the_runc_shim() {
     assert_eq!(out.code, 6, "{text} {}", out.stderr);
     assert!(text.starts_with("from ctr\n"), "{text}");
     assert_ne!(&text["from ctr\n".len()..], host_kernel);
+    assert_eq!(
+        &text["from ctr\n".len()..],
+        amvms_kernel(),
+        "the kernel amvm boots"
+    );
+}
+
+/// `uname -r` of amvm's own guest kernel (one `amvm run`), once per test binary.
+fn amvms_kernel() -> String {
+    static KERNEL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    KERNEL
+        .get_or_init(|| {
+            let o = run_vm(&[], &["uname", "-r"]);
+            assert_eq!(o.code, 0, "{}", o.stderr);
+            let k = o.stdout_str();
+            let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+            assert_ne!(k, host, "amvm's guest kernel is its own");
+            k
+        })
+        .clone()
 }

@@ -3,7 +3,9 @@
 //! command, the API's 405 and 413 answers, an egress given at `create` reached from an exec, a
 //! sandbox whose supervisor died is listed `dead` and removed by `amvm rm`, an exponential fork
 //! bomb under `--pids` leaves the sandbox answering, and a read-only workspace, volume and
-//! system root stay read-only on the host even after the guest's root remounts them writable.
+//! system root stay read-only on the host even after the guest's root remounts them writable;
+//! an API client that goes away kills its exec, `amvm serve`'s sandboxes outlive it, a killed
+//! overlay run keeps its changes for `diff` and `commit`, and `amvm apply`'s exit statuses.
 //! Each test has a runtime directory of its own (XDG_RUNTIME_DIR), so its `amvm ls` sees only
 //! its own sandboxes.
 
@@ -86,11 +88,8 @@ impl Drop for World {
 
 fn kill(pid: u32, sig: i32) {
     // SAFETY: kill(2) with plain integers, to our own child or a process we started.
-    assert_eq!(
-        unsafe { libc::kill(pid as i32, sig) },
-        0,
-        "kill {pid} {sig}"
-    );
+    let r = unsafe { libc::kill(pid as i32, sig) };
+    assert_eq!(r, 0, "kill {pid} {sig}");
 }
 
 /// docs/usage.md: "Ctrl-C, SIGTERM and SIGHUP sent to `amvm exec` reach the command's process
@@ -324,5 +323,245 @@ fn read_only_shares_stay_read_only_on_the_host_after_a_guest_remount() {
     ]);
     assert_eq!(o.stdout_str(), "remounted\nrefused\n", "{o:?}");
     assert!(!root.join("usr/bin/new").exists());
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+/// docs/api.md: an exec's command lives as long as its API connection; a client that goes
+/// away kills it.
+#[test]
+fn an_api_client_that_disconnects_kills_its_exec() {
+    let w = World::new("disconnect");
+    let id = w.create(&[]);
+    let sock = w.sandbox_dir(&id).join("api.sock");
+    let body = br#"{"argv": ["sh", "-c", "echo $$ > /tmp/victim; echo ready; exec sleep 1000"]}"#;
+    let mut s = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    let head = format!(
+        "POST /v1/exec HTTP/1.1\r\nHost: amvm\r\nUpgrade: amvm-exec/1\r\nConnection: Upgrade\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    // Read until the command said it runs (its stdout frame carries "ready").
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let mut got = Vec::new();
+    while !got.windows(6).any(|w| w == b"ready\n") {
+        let mut b = [0u8; 4096];
+        let n = s.read(&mut b).unwrap();
+        assert!(n > 0, "the exec ended: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&b[..n]);
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 101"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    drop(s);
+    let t0 = Instant::now();
+    loop {
+        let o = w.exec(
+            &id,
+            "kill -0 $(cat /tmp/victim) 2>/dev/null && echo alive || echo gone",
+        );
+        assert_eq!(o.code, 0, "{o:?}");
+        if o.stdout_str() == "gone\n" {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the command of a client that went away still runs"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// docs/api.md: sandboxes made through `amvm serve` are `amvm ls`'s and outlive it.
+#[test]
+fn sandboxes_made_through_amvm_serve_outlive_it() {
+    let w = World::new("serve");
+    let sock = w.xdg.join("serve.sock");
+    let mut server = w
+        .cmd(&["serve", "--socket", sock.to_str().unwrap()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while !sock.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "amvm serve made no socket"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let body = br#"{"name": "outlives", "args": ["--mem", "256"]}"#;
+    let mut req = format!(
+        "POST /v1/sandboxes HTTP/1.1\r\nHost: amvm\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    let (code, reply) = http(&sock, &req);
+    assert_eq!(code, 201, "{reply}");
+    kill(server.id(), libc::SIGTERM);
+    let st = server.wait().unwrap();
+    assert!(st.success(), "amvm serve on SIGTERM: {st:?}");
+    assert!(!sock.exists(), "amvm serve left its socket");
+    let o = w.exec("outlives", "echo still here");
+    assert_eq!(
+        (o.code, o.stdout_str().as_str()),
+        (0, "still here\n"),
+        "{o:?}"
+    );
+    let rm = w.amvm(&["rm", "-f", "outlives"]);
+    assert_eq!(rm.code, 0, "{rm:?}");
+}
+
+/// docs/usage.md: a run killed outright with an overlay workspace keeps its sandbox (dead) and
+/// its changes, for `amvm diff` and `amvm commit`, until `amvm rm`; `amvm ls` does not sweep it.
+#[test]
+fn a_killed_overlay_runs_changes_are_kept_for_diff_and_commit() {
+    let w = World::new("killed-overlay");
+    let base = PathBuf::from("/dev/shm").join(format!("amvm-promises-ko-{}", std::process::id()));
+    let repo = base.join("repo");
+    std::fs::create_dir_all(&repo).unwrap();
+    std::fs::write(repo.join("main.txt"), "broken\n").unwrap();
+    let ws = format!("{}:overlay", repo.display());
+    let mut run = w
+        .cmd(&[
+            "run",
+            "--mem",
+            "256",
+            "--workspace",
+            &ws,
+            "--",
+            "sh",
+            "-c",
+            "echo fixed > main.txt && echo new > added.txt && sync && echo ready && exec sleep 1000",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(run.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "ready\n", "the run did not start");
+    kill(run.id(), libc::SIGKILL);
+    let _ = run.wait();
+    // amvm ls keeps it (dead): its changes are the user's.
+    let t0 = Instant::now();
+    let id = loop {
+        let ls = w.amvm(&["ls", "--json"]);
+        let all: serde_json::Value = serde_json::from_slice(&ls.stdout).unwrap();
+        if all[0]["state"] == "dead" {
+            break all[0]["id"].as_str().unwrap().to_string();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no dead run listed: {ls:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let d = w.amvm(&["diff", &id]);
+    assert_eq!(d.code, 0, "{d:?}");
+    assert!(d.stdout_str().contains("+fixed"), "{d:?}");
+    let dest = base.join("dest");
+    let cp = Command::new("cp")
+        .arg("-a")
+        .arg(&repo)
+        .arg(&dest)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let c = w.amvm(&["commit", &id, dest.to_str().unwrap()]);
+    assert_eq!(c.code, 0, "{c:?}");
+    assert_eq!(
+        std::fs::read_to_string(dest.join("main.txt")).unwrap(),
+        "fixed\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dest.join("added.txt")).unwrap(),
+        "new\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(repo.join("main.txt")).unwrap(),
+        "broken\n"
+    );
+    let rm = w.amvm(&["rm", &id]);
+    assert_eq!(rm.code, 0, "{rm:?}");
+    let _ = std::fs::remove_dir_all(&base);
+}
+
+/// docs/usage.md: `amvm apply` exits 125 and writes nothing when an entry is refused, `--check`
+/// exits 1 (and writes nothing), `--skip-refused` applies the rest and exits 1; 0 for a clean
+/// archive. (No VM: the CLI on its own.)
+#[test]
+fn apply_exit_codes_for_check_and_skip_refused() {
+    let base = std::env::temp_dir().join(format!("amvm-promises-apply-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    std::fs::create_dir_all(&base).unwrap();
+    let make = |name: &str, entries: &[(&str, char, &str)]| {
+        let tar = base.join(name);
+        let script = "import io, sys, tarfile\n\
+            with tarfile.open(sys.argv[1], 'w', format=tarfile.GNU_FORMAT) as t:\n\
+            \x20   for spec in sys.argv[2:]:\n\
+            \x20       name, kind, link = spec.split('|')\n\
+            \x20       i = tarfile.TarInfo(name); i.type = kind.encode(); i.linkname = link\n\
+            \x20       data = b'' if kind != '0' else b'content'\n\
+            \x20       i.size = len(data)\n\
+            \x20       t.addfile(i, io.BytesIO(data))\n";
+        let specs: Vec<String> = entries
+            .iter()
+            .map(|(n, k, l)| format!("{n}|{k}|{l}"))
+            .collect();
+        let ok = Command::new("python3")
+            .arg("-c")
+            .arg(script)
+            .arg(&tar)
+            .args(&specs)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+        tar
+    };
+    let clean = make("clean.tar", &[("a", '0', ""), ("b", '0', "")]);
+    let evil = make(
+        "evil.tar",
+        &[
+            ("ok", '0', ""),
+            ("../escape", '0', ""),
+            ("pw", '2', "/etc/passwd"),
+        ],
+    );
+    let apply = |args: &[&str], dir: &str| {
+        let d = base.join(dir);
+        std::fs::create_dir_all(&d).unwrap();
+        let mut all: Vec<String> = vec!["apply".into()];
+        all.extend(args.iter().map(|s| s.to_string()));
+        all.push(d.to_str().unwrap().into());
+        let o = amvm_tests::amvm(&all, &[]);
+        (o, d)
+    };
+    let (o, d) = apply(&[clean.to_str().unwrap()], "t-clean");
+    assert_eq!(o.code, 0, "{o:?}");
+    assert!(d.join("a").exists() && d.join("b").exists());
+    let (o, d) = apply(&["--check", clean.to_str().unwrap()], "t-check-clean");
+    assert_eq!(o.code, 0, "{o:?}");
+    assert!(!d.join("a").exists(), "--check wrote");
+    let (o, d) = apply(&[evil.to_str().unwrap()], "t-evil");
+    assert_eq!(o.code, 125, "{o:?}");
+    assert!(
+        !d.join("ok").exists(),
+        "a refused archive was partly applied"
+    );
+    let (o, d) = apply(&["--check", evil.to_str().unwrap()], "t-check-evil");
+    assert_eq!(o.code, 1, "{o:?}");
+    assert!(o.stderr.contains("../escape"), "{o:?}");
+    assert!(!d.join("ok").exists(), "--check wrote");
+    let (o, d) = apply(&["--skip-refused", evil.to_str().unwrap()], "t-skip");
+    assert_eq!(o.code, 1, "{o:?}");
+    assert!(d.join("ok").exists() && !d.join("pw").exists() && !base.join("escape").exists());
     let _ = std::fs::remove_dir_all(&base);
 }

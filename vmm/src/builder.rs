@@ -579,6 +579,37 @@ impl Waiter {
     }
 }
 
+/// virtiofsd's id translation for the workspace DIR (its owner, as the workload's user), for
+/// a workload of `uid:gid`. A DIR that cannot be read here is left as it is (virtiofsd says
+/// why it cannot serve it).
+fn workspace_ids(dir: &Path, uid: u32, gid: u32) -> Vec<String> {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(meta) = std::fs::metadata(dir) else {
+        return Vec::new();
+    };
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    let runner_uid = unsafe { libc::geteuid() };
+    // SAFETY: as geteuid.
+    let runner_gid = unsafe { libc::getegid() };
+    let mut ids = crate::fs::translate_ids(
+        "--translate-uid",
+        crate::fs::Ids {
+            owner: meta.uid(),
+            runner: runner_uid,
+            workload: uid,
+        },
+    );
+    ids.extend(crate::fs::translate_ids(
+        "--translate-gid",
+        crate::fs::Ids {
+            owner: meta.gid(),
+            runner: runner_gid,
+            workload: gid,
+        },
+    ));
+    ids
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -624,33 +655,4 @@ mod tests {
         let note = console_note("a\nKernel panic - not syncing: x\nb\n");
         assert_eq!(note.matches("Kernel panic").count(), 1, "{note}");
     }
-}
-
-/// virtiofsd's id translation for the workspace DIR (its owner, as the workload's user), for
-/// a workload of `uid:gid`. A DIR that cannot be read here is left as it is (virtiofsd says
-/// why it cannot serve it).
-fn workspace_ids(dir: &Path, uid: u32, gid: u32) -> Vec<String> {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(meta) = std::fs::metadata(dir) else {
-        return Vec::new();
-    };
-    // SAFETY: geteuid(2) and getegid(2) take nothing and cannot fail.
-    let (runner_uid, runner_gid) = unsafe { (libc::geteuid(), libc::getegid()) };
-    let mut ids = crate::fs::translate_ids(
-        "--translate-uid",
-        crate::fs::Ids {
-            owner: meta.uid(),
-            runner: runner_uid,
-            workload: uid,
-        },
-    );
-    ids.extend(crate::fs::translate_ids(
-        "--translate-gid",
-        crate::fs::Ids {
-            owner: meta.gid(),
-            runner: runner_gid,
-            workload: gid,
-        },
-    ));
-    ids
 }

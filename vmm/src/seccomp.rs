@@ -240,6 +240,24 @@ fn cond(arg: u8, value: u64) -> Result<SeccompRule, seccompiler::BackendError> {
     )?])
 }
 
+/// socket(2) for a unix stream socket (any flags), nothing else.
+fn unix_stream_socket() -> Result<SeccompRule, seccompiler::BackendError> {
+    SeccompRule::new(vec![
+        SeccompCondition::new(
+            0,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::Eq,
+            libc::AF_UNIX as u64,
+        )?,
+        SeccompCondition::new(
+            1,
+            SeccompCmpArgLen::Dword,
+            SeccompCmpOp::MaskedEq(0xf),
+            libc::SOCK_STREAM as u64,
+        )?,
+    ])
+}
+
 fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompiler::BackendError> {
     let extra = match kind {
         ThreadKind::Vmm => VMM,
@@ -272,23 +290,7 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
         }
         ThreadKind::EventLoop => {
             // A new egress stream: a unix socket, made non-blocking.
-            map.insert(
-                libc::SYS_socket,
-                vec![SeccompRule::new(vec![
-                    SeccompCondition::new(
-                        0,
-                        SeccompCmpArgLen::Dword,
-                        SeccompCmpOp::Eq,
-                        libc::AF_UNIX as u64,
-                    )?,
-                    SeccompCondition::new(
-                        1,
-                        SeccompCmpArgLen::Dword,
-                        SeccompCmpOp::MaskedEq(0xf),
-                        libc::SOCK_STREAM as u64,
-                    )?,
-                ])?],
-            );
+            map.insert(libc::SYS_socket, vec![unix_stream_socket()?]);
             map.insert(libc::SYS_ioctl, vec![cond(1, libc::FIONBIO)?]);
         }
         ThreadKind::Supervisor | ThreadKind::Run => {
@@ -335,23 +337,7 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     ],
                 );
                 // The API socket: a unix stream socket, nothing else.
-                map.insert(
-                    libc::SYS_socket,
-                    vec![SeccompRule::new(vec![
-                        SeccompCondition::new(
-                            0,
-                            SeccompCmpArgLen::Dword,
-                            SeccompCmpOp::Eq,
-                            libc::AF_UNIX as u64,
-                        )?,
-                        SeccompCondition::new(
-                            1,
-                            SeccompCmpArgLen::Dword,
-                            SeccompCmpOp::MaskedEq(0xf),
-                            libc::SOCK_STREAM as u64,
-                        )?,
-                    ])?],
-                );
+                map.insert(libc::SYS_socket, vec![unix_stream_socket()?]);
             }
         }
         ThreadKind::Vmm | ThreadKind::Helper => {}
