@@ -70,6 +70,23 @@ impl World {
     fn sandbox_dir(&self, id: &str) -> PathBuf {
         self.xdg.join("amvm").join(id)
     }
+
+    /// Within a minute, the process whose pid an exec wrote to /tmp/victim is gone.
+    fn victim_gone(&self, id: &str, what: &str) {
+        let t0 = Instant::now();
+        loop {
+            let o = self.exec(
+                id,
+                "kill -0 $(cat /tmp/victim) 2>/dev/null && echo alive || echo gone",
+            );
+            assert_eq!(o.code, 0, "{o:?}");
+            if o.stdout_str() == "gone\n" {
+                return;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "{what}");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
 }
 
 impl Drop for World {
@@ -119,22 +136,7 @@ fn signals_to_amvm_exec_reach_the_command_and_a_killed_exec_kills_it() {
     let mut child = child;
     kill(child.id(), libc::SIGKILL);
     let _ = child.wait();
-    let t0 = Instant::now();
-    loop {
-        let o = w.exec(
-            &id,
-            "kill -0 $(cat /tmp/victim) 2>/dev/null && echo alive || echo gone",
-        );
-        assert_eq!(o.code, 0, "{o:?}");
-        if o.stdout_str() == "gone\n" {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the command of an exec killed outright still runs"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    w.victim_gone(&id, "the command of an exec killed outright still runs");
 }
 
 /// One HTTP request on the sandbox's API socket; the status line's code and the body.
@@ -356,22 +358,7 @@ fn an_api_client_that_disconnects_kills_its_exec() {
         String::from_utf8_lossy(&got)
     );
     drop(s);
-    let t0 = Instant::now();
-    loop {
-        let o = w.exec(
-            &id,
-            "kill -0 $(cat /tmp/victim) 2>/dev/null && echo alive || echo gone",
-        );
-        assert_eq!(o.code, 0, "{o:?}");
-        if o.stdout_str() == "gone\n" {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the command of a client that went away still runs"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    w.victim_gone(&id, "the command of a client that went away still runs");
 }
 
 /// docs/api.md: sandboxes made through `amvm serve` are `amvm ls`'s and outlive it.
