@@ -41,8 +41,10 @@ mod archive;
 
 /// How long a guest may take from the VMM's start to Ready.
 const BOOT_TIMEOUT: Duration = Duration::from_secs(300);
-/// How long an exec may take to connect its stream.
-const ATTACH_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long an exec may take to connect its stream: as long as a boot may take, since a guest
+/// on a loaded host (twenty of them on one emulated CPU, in the test bed) can take over a minute
+/// to fork the command; a guest that ends meanwhile fails the exec at once.
+const ATTACH_TIMEOUT: Duration = BOOT_TIMEOUT;
 /// After `stop`'s grace, how long the guest has to end before the VMM is killed.
 const STOP_MARGIN: Duration = Duration::from_secs(20);
 
