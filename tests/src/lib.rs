@@ -172,6 +172,8 @@ pub fn run_vm_leaving_nothing_env(
 static NEXT_WS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
 
 /// What a run may leave on the host, and the check that it left none of it.
+pub mod world;
+
 pub mod leftovers {
     use std::path::PathBuf;
     use std::time::{Duration, Instant};

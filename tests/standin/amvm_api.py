@@ -6,12 +6,13 @@
                                                 command's status)
     amvm_api.py SOCKET put-archive DIR          (a tar on stdin, unpacked into DIR in the sandbox)
     amvm_api.py SOCKET get-archive PATH         (PATH in the sandbox, as a tar on stdout)
+    amvm_api.py SOCKET pause|resume             (prints the sandbox's state after)
 
 With `amvm serve`'s socket (all of a user's sandboxes):
     amvm_api.py SOCKET create [--name NAME] -- FLAG...   (amvm create's flags; prints the sandbox)
     amvm_api.py SOCKET ls
     amvm_api.py SOCKET rm [--force] SANDBOX
-    amvm_api.py --sandbox SANDBOX SOCKET info|exec|put-archive|get-archive ...
+    amvm_api.py --sandbox SANDBOX SOCKET info|exec|put-archive|get-archive|pause|resume ...
                                                 (one sandbox's calls, through the server)
 
 Frames (after `101 Switching Protocols`): kind (1 byte), length (u32 little-endian), payload.
@@ -188,6 +189,8 @@ def main():
         args = sys.argv[3:]
         with_stdin = bool(args) and args[0] == "--stdin"
         exec_(path, args[1:] if with_stdin else args, with_stdin)
+    elif what in ("pause", "resume") and len(sys.argv) == 3:
+        print(json.dumps(call(path, "POST", PREFIX + "/" + what)))
     elif what == "put-archive" and len(sys.argv) == 4:
         put_archive(path, sys.argv[3])
     elif what == "get-archive" and len(sys.argv) == 4:

@@ -11,6 +11,7 @@ use crate::seccomp::{Policy, SeccompError, ThreadKind};
 use crate::signals::{self, Signals};
 use crate::vstate::kvm::{Kvm, KvmError};
 use crate::vstate::memory::{self, MemoryError};
+use crate::vstate::pause::Pauser;
 use crate::vstate::vcpu::{BootEntry, VcpuError, VcpuStop};
 use crate::vstate::vm::{Vm, VmError};
 use amvm_devices::bus::{Bus, BusDevice, BusError};
@@ -20,6 +21,7 @@ use amvm_devices::virtio::{MmioError, MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY};
 use amvm_devices::vsock::device::VsockDevice;
 use amvm_egress::Egress;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -63,6 +65,8 @@ pub enum RunError {
     Overlay(#[from] crate::overlay::OverlayError),
     #[error("setting up signal forwarding: {0}")]
     Signals(io::Error),
+    #[error(transparent)]
+    Pause(#[from] crate::vstate::pause::PauseError),
     #[error("interrupted by {}: {why}", signals::name(*.sig))]
     Interrupted { sig: i32, why: &'static str },
     #[error("the guest failed: {error}{}", console_note(.console))]
@@ -103,6 +107,10 @@ impl RunError {
     }
 }
 
+/// How long the vCPUs have to leave KVM_RUN when paused (they take microseconds; a vCPU that
+/// does not is stuck in the host kernel, and the pause is refused).
+const PAUSE_LIMIT: Duration = Duration::from_secs(5);
+
 /// How long the workload has to exit after amvm forwards it a signal, before amvm tears the VM
 /// down itself (a second signal does that at once).
 const SIGNAL_GRACE: Duration = Duration::from_secs(10);
@@ -110,7 +118,8 @@ const SIGNAL_GRACE: Duration = Duration::from_secs(10);
 /// Boot the VM described by `cfg`, run its workload, return the workload's exit status.
 ///
 /// On return the vCPU threads may still be inside KVM_RUN: the caller exits the process.
-pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
+/// `ctl`: a session's channel from its supervisor (vmmctl.rs: pause, resume).
+pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, RunError> {
     let deadline = cfg.timeout.map(|t| (Instant::now() + t, t.as_secs()));
     // While this is the only thread: no privilege gain by exec, an empty network namespace and
     // a private mount namespace (jail.rs). Everything amvm starts inherits them.
@@ -312,9 +321,14 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
         vcpus.push(vcpu);
     }
     let (pio, mmio) = (Arc::new(pio), Arc::new(mmio));
+    // `amvm pause`: the vCPUs are kicked out of KVM_RUN by a signal whose handler is set now,
+    // before the filters (they refuse rt_sigaction).
+    let pauser = Arc::new(Pauser::default());
+    crate::vstate::pause::install_kick_handler()?;
     let stops: Arc<Mutex<Vec<Result<VcpuStop, VcpuError>>>> = Arc::default();
     for (id, vcpu) in vcpus.into_iter().enumerate() {
         let (pio, mmio, stops) = (pio.clone(), mmio.clone(), stops.clone());
+        let pauser = pauser.clone();
         let done = exit_evt.try_clone().map_err(RunError::EventFd)?;
         let p = policy.clone();
         std::thread::Builder::new()
@@ -322,7 +336,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
             .stack_size(amvm_devices::THREAD_STACK_SIZE)
             .spawn(move || {
                 p.enter_vcpu();
-                let r = vcpu.run(&pio, &mmio);
+                let r = vcpu.run(&pio, &mmio, &pauser);
                 stops.lock().unwrap_or_else(|p| p.into_inner()).push(r);
                 let _ = done.0.write(1);
             })
@@ -335,7 +349,11 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
     t.mark("vCPUs released (every thread filtered)");
 
     // Wait for the guest to stop; forward signals meanwhile.
-    let epoll = Waiter::new(&[&exit_evt, &reset_evt], &signals).map_err(RunError::EventFd)?;
+    // As a File: read(2)/write(2), which the main thread's filter allows (a UnixStream's
+    // recv/send are recvfrom/sendto).
+    let mut ctl = ctl.map(std::fs::File::from);
+    let epoll =
+        Waiter::new(&[&exit_evt, &reset_evt], &signals, ctl.as_ref()).map_err(RunError::EventFd)?;
     let mut forwarded: Option<(i32, Instant)> = None;
     loop {
         let grace_end = forwarded.map(|f| f.1);
@@ -345,6 +363,28 @@ pub fn run(cfg: &RunConfig, t: &Timeline) -> Result<u8, RunError> {
             .min();
         match epoll.wait(until).map_err(RunError::EventFd)? {
             Wake::Stopped => break,
+            Wake::Control => {
+                let Some(c) = ctl.as_mut() else { continue };
+                let served = crate::vmmctl::serve_one(c, |req| match req {
+                    crate::vmmctl::Request::Pause => {
+                        pauser.pause(PAUSE_LIMIT).map_err(|e| e.to_string())?;
+                        tracing::debug!("vCPUs paused");
+                        Ok(())
+                    }
+                    crate::vmmctl::Request::Resume => {
+                        pauser.resume();
+                        tracing::debug!("vCPUs resumed");
+                        Ok(())
+                    }
+                });
+                if !matches!(served, Ok(true)) {
+                    // The supervisor is gone (its death kills this process too): stop
+                    // watching the channel.
+                    if let Some(c) = ctl.take() {
+                        epoll.forget(&c).map_err(RunError::EventFd)?;
+                    }
+                }
+            }
             Wake::Signal => {
                 while let Some(sig) = signals.next().map_err(RunError::Signals)? {
                     if let Some((first, _)) = forwarded {
@@ -522,6 +562,8 @@ enum Wake {
     Stopped,
     /// The signalfd is readable.
     Signal,
+    /// The supervisor's channel (vmmctl.rs) is readable.
+    Control,
     /// The deadline passed.
     Time,
 }
@@ -534,13 +576,22 @@ struct Waiter {
 impl Waiter {
     const EXIT: u64 = 0;
     const SIGNAL: u64 = 1;
+    const CONTROL: u64 = 2;
 
     /// Wakes with [`Wake::Stopped`] when any of `exits` fires.
-    fn new(exits: &[&EventFdTrigger], signals: &Signals) -> io::Result<Self> {
+    fn new(
+        exits: &[&EventFdTrigger],
+        signals: &Signals,
+        control: Option<&std::fs::File>,
+    ) -> io::Result<Self> {
         use std::os::fd::AsRawFd;
         let epoll = Epoll::new()?;
         let exits = exits.iter().map(|e| (e.0.as_raw_fd(), Self::EXIT));
-        for (fd, token) in exits.chain([(signals.as_raw_fd(), Self::SIGNAL)]) {
+        let control = control.map(|c| (c.as_raw_fd(), Self::CONTROL));
+        for (fd, token) in exits
+            .chain([(signals.as_raw_fd(), Self::SIGNAL)])
+            .chain(control)
+        {
             epoll.ctl(
                 ControlOperation::Add,
                 fd,
@@ -548,6 +599,15 @@ impl Waiter {
             )?;
         }
         Ok(Waiter { epoll })
+    }
+
+    /// Stop watching `fd`.
+    fn forget(&self, fd: &impl std::os::fd::AsRawFd) -> io::Result<()> {
+        self.epoll.ctl(
+            ControlOperation::Delete,
+            fd.as_raw_fd(),
+            EpollEvent::default(),
+        )
     }
 
     fn wait(&self, until: Option<Instant>) -> io::Result<Wake> {
@@ -570,7 +630,10 @@ impl Waiter {
                     if events[..n].iter().any(|e| e.data() == Self::EXIT) {
                         return Ok(Wake::Stopped);
                     }
-                    return Ok(Wake::Signal);
+                    if events[..n].iter().any(|e| e.data() == Self::SIGNAL) {
+                        return Ok(Wake::Signal);
+                    }
+                    return Ok(Wake::Control);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),

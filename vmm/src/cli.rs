@@ -93,6 +93,17 @@ pub enum Command {
         #[arg(value_name = "SANDBOX")]
         sandbox: String,
     },
+    /// Pause a sandbox: its vCPUs stop where they are; its processes, memory and streams are
+    /// kept until `amvm resume` (execs and cp wait for that).
+    Pause {
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+    },
+    /// Let a paused sandbox run again.
+    Resume {
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+    },
     /// Remove stopped sandboxes (with -f, running ones too: killed at once).
     Rm {
         /// Kill a running sandbox first.

@@ -21,6 +21,7 @@ pub mod overlay;
 pub mod sandbox;
 pub mod seccomp;
 pub mod signals;
+pub mod vmmctl;
 pub mod vstate;
 
 /// The static guest-init binary, built by build.rs, embedded so there is no image to keep in sync.

@@ -115,6 +115,20 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }))
         }
+        Command::Pause { sandbox } => {
+            let r = amvm::sandbox::client::Sandbox::open(&sandbox).and_then(|sb| sb.pause());
+            sandbox_result(r.map(|i| {
+                println!("{}", i.id);
+                ExitCode::SUCCESS
+            }))
+        }
+        Command::Resume { sandbox } => {
+            let r = amvm::sandbox::client::Sandbox::open(&sandbox).and_then(|sb| sb.resume());
+            sandbox_result(r.map(|i| {
+                println!("{}", i.id);
+                ExitCode::SUCCESS
+            }))
+        }
         Command::Wait { sandbox } => {
             let r = amvm::sandbox::client::Sandbox::open(&sandbox)
                 .and_then(|sb| sb.wait())

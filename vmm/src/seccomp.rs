@@ -230,6 +230,7 @@ const SUPERVISOR: &[i64] = &[
 // ioctl request numbers, narrowed per kind (arg 1). From <linux/kvm.h>.
 const KVM_RUN: u64 = 0xae80;
 const KVM_GET_REGS: u64 = 0x8090_ae81;
+const KVM_KVMCLOCK_CTRL: u64 = 0xaead;
 
 fn cond(arg: u8, value: u64) -> Result<SeccompRule, seccompiler::BackendError> {
     SeccompRule::new(vec![SeccompCondition::new(
@@ -285,7 +286,12 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
         ThreadKind::Vcpu => {
             map.insert(
                 libc::SYS_ioctl,
-                vec![cond(1, KVM_RUN)?, cond(1, KVM_GET_REGS)?],
+                vec![
+                    cond(1, KVM_RUN)?,
+                    cond(1, KVM_GET_REGS)?,
+                    // A paused vCPU tells the guest's kvmclock it was stopped (vstate/pause.rs).
+                    cond(1, KVM_KVMCLOCK_CTRL)?,
+                ],
             );
         }
         ThreadKind::EventLoop => {

@@ -183,7 +183,7 @@ impl Sandbox {
     /// Its state as the supervisor sees it, or as it left it.
     pub fn info(&self) -> Result<Info, SandboxError> {
         let state = super::read_state(&self.dir)?;
-        if !matches!(state.state.as_str(), "running" | "stopping" | "starting") {
+        if !state.live() {
             return Ok(state);
         }
         match self.call("GET", "/v1/sandbox", None) {
@@ -197,7 +197,7 @@ impl Sandbox {
     /// Stop it (SIGTERM to everything, SIGKILL after `grace` s); its final state.
     pub fn stop(&self, grace: u32) -> Result<Info, SandboxError> {
         let state = super::read_state(&self.dir)?;
-        if !matches!(state.state.as_str(), "running" | "stopping" | "starting") {
+        if !state.live() {
             return Ok(state);
         }
         let body = serde_json::to_vec(&StopRequest {
@@ -211,10 +211,34 @@ impl Sandbox {
         }
     }
 
+    /// Pause it: its vCPUs stop where they are (its processes, memory and open streams are
+    /// kept); its state after.
+    pub fn pause(&self) -> Result<Info, SandboxError> {
+        self.must_be_up()?;
+        let body = self.call("POST", "/v1/pause", None)?;
+        self.json(&body)
+    }
+
+    /// Let a paused sandbox run again; its state after.
+    pub fn resume(&self) -> Result<Info, SandboxError> {
+        self.must_be_up()?;
+        let body = self.call("POST", "/v1/resume", None)?;
+        self.json(&body)
+    }
+
+    /// A sandbox whose supervisor is gone is said to be so, not "connection refused".
+    fn must_be_up(&self) -> Result<(), SandboxError> {
+        let state = super::read_state(&self.dir)?;
+        if state.live() {
+            return Ok(());
+        }
+        Err(SandboxError::NotRunning(self.shown.clone(), state.state))
+    }
+
     /// Wait until it has stopped; its final state.
     pub fn wait(&self) -> Result<Info, SandboxError> {
         let state = super::read_state(&self.dir)?;
-        if !matches!(state.state.as_str(), "running" | "stopping" | "starting") {
+        if !state.live() {
             return Ok(state);
         }
         match self.call("GET", "/v1/wait", None) {
@@ -232,6 +256,9 @@ impl Sandbox {
     /// Start `req`; its stream.
     pub fn exec(&self, req: &ExecRequest) -> Result<ExecStream, SandboxError> {
         let state = super::read_state(&self.dir)?;
+        if state.state == "paused" {
+            return Err(SandboxError::Paused(self.shown.clone()));
+        }
         if state.state != "running" {
             return Err(SandboxError::NotRunning(self.shown.clone(), state.state));
         }

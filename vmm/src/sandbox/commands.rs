@@ -223,12 +223,12 @@ pub(crate) fn scratch_of(
     sb: &Sandbox,
 ) -> Result<(std::path::PathBuf, std::path::PathBuf), SandboxError> {
     let info = sb.info()?;
+    let running = info.live();
     let (Some(lower), Some(scratch)) = (info.config.overlay_lower, info.config.overlay_scratch)
     else {
         return Err(SandboxError::NoOverlay(sb.shown().into()));
     };
     let capped = info.config.overlay_size.is_some();
-    let running = matches!(info.state.as_str(), "running" | "stopping" | "starting");
     if capped && !(running && super::is_ours(info.pid, info.pid_start)) {
         return Err(SandboxError::Changes(format!(
             "{} has ended, and with it its workspace changes: with --overlay-size they live in its supervisor's memory (take them with amvm diff or commit before amvm stop)",
@@ -352,7 +352,7 @@ pub fn rm_quietly(id: &str) -> Result<(), SandboxError> {
         Err(e) => return Err(e),
     };
     let info = sb.info()?;
-    if matches!(info.state.as_str(), "running" | "stopping" | "starting") {
+    if info.live() {
         sb.stop(0)?;
     }
     sb.remove()
@@ -364,7 +364,7 @@ pub fn rm(force: bool, sandboxes: &[String]) -> bool {
         let r = Sandbox::open(s).and_then(|sb| {
             if force {
                 let info = sb.info()?;
-                if matches!(info.state.as_str(), "running" | "stopping" | "starting") {
+                if info.live() {
                     sb.stop(0)?;
                 }
             }

@@ -38,6 +38,8 @@ pub enum SandboxError {
     NotRunning(String, String),
     #[error("sandbox {0} is running: stop it first, or rm -f")]
     Running(String),
+    #[error("sandbox {0} is paused: `amvm resume {0}` first")]
+    Paused(String),
     #[error("{0}: {1}")]
     Io(String, io::Error),
     #[error("sandbox {0}: the API answered {1}: {2}")]
@@ -67,6 +69,16 @@ pub enum SandboxError {
     Config(#[from] crate::config::ConfigError),
 }
 
+impl Info {
+    /// Its supervisor is up: starting, running, paused or stopping.
+    pub fn live(&self) -> bool {
+        matches!(
+            self.state.as_str(),
+            "starting" | "running" | "paused" | "stopping"
+        )
+    }
+}
+
 fn io_err(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> SandboxError {
     let what = what.to_string();
     move |e| SandboxError::Io(what, e)
@@ -78,7 +90,8 @@ pub struct Info {
     pub id: String,
     pub name: Option<String>,
     pub labels: std::collections::BTreeMap<String, String>,
-    /// "starting", "running", "stopping", "stopped" (by `amvm stop`), "exited" (the VM ended
+    /// "starting", "running", "paused" (`amvm pause`: its vCPUs stopped), "stopping", "stopped"
+    /// (by `amvm stop`), "exited" (the VM ended
     /// on its own: --timeout, a crash, the VMM killed), or "dead" (`ls`: the supervisor is gone
     /// without saying so).
     pub state: String,
@@ -279,7 +292,7 @@ pub fn read_state(dir: &Path) -> Result<Info, SandboxError> {
     } else {
         alive(info.pid)
     };
-    if matches!(info.state.as_str(), "starting" | "running" | "stopping") && !supervised {
+    if info.live() && !supervised {
         info.state = "dead".into();
         info.ended
             .get_or_insert_with(|| "its supervisor is gone".into());
@@ -326,7 +339,7 @@ pub fn list() -> Result<Vec<Info>, SandboxError> {
 /// Remove a sandbox that is not running: its directory and its name.
 pub fn remove(id: &str, dir: &Path) -> Result<(), SandboxError> {
     let info = read_state(dir)?;
-    if matches!(info.state.as_str(), "starting" | "running" | "stopping") {
+    if info.live() {
         return Err(SandboxError::Running(id.into()));
     }
     // A VMM left behind by a supervisor killed outright dies with it (PR_SET_PDEATHSIG); make

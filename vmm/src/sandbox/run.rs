@@ -144,9 +144,7 @@ fn ended_under(sb: &Sandbox, e: SandboxError) -> u8 {
     let t0 = Instant::now();
     let info = loop {
         match sb.info() {
-            Ok(i) if !matches!(i.state.as_str(), "running" | "stopping" | "starting") => {
-                break Some(i)
-            }
+            Ok(i) if !i.live() => break Some(i),
             Ok(_) if t0.elapsed() < END_WAIT => std::thread::sleep(Duration::from_millis(50)),
             _ => break None,
         }

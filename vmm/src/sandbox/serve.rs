@@ -132,7 +132,7 @@ async fn blocking<T: Send + 'static>(
 fn code_of(e: &SandboxError) -> u16 {
     match e {
         SandboxError::NotFound(_) => 404,
-        SandboxError::Running(_) | SandboxError::NotRunning(..) => 409,
+        SandboxError::Running(_) | SandboxError::NotRunning(..) | SandboxError::Paused(_) => 409,
         SandboxError::Io(..) | SandboxError::Serve(_) => 500,
         // The flags were fine; the VM was not.
         SandboxError::CreateFailed(why) if why.starts_with("the sandbox did not start") => 500,
@@ -234,7 +234,7 @@ fn create(amvm: &Path, req: &CreateRequest) -> Result<super::Info, SandboxError>
 fn delete(id_or_name: &str, force: bool) -> Result<String, SandboxError> {
     let sb = Sandbox::open(id_or_name)?;
     let info = sb.info()?;
-    let running = matches!(info.state.as_str(), "running" | "stopping" | "starting");
+    let running = info.live();
     if running && !force {
         return Err(SandboxError::Running(info.id));
     }

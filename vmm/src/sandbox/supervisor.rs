@@ -315,6 +315,15 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
             return 1;
         }
     };
+    // The channel to the VMM (vmmctl.rs: pause, resume); close-on-exec, so virtiofsd never
+    // holds it.
+    let (ctl, vmm_ctl) = match std::os::unix::net::UnixStream::pair() {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = writeln!(notify, "the VMM's control channel: {e}");
+            return 1;
+        }
+    };
     let me = std::process::id();
     // SAFETY: fork(2) while this process has one thread (tokio starts below).
     let vmm = unsafe { libc::fork() };
@@ -329,7 +338,7 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
             // SAFETY: leaves at once.
             unsafe { libc::_exit(i32::from(crate::exit::AMVM_FAILURE)) };
         }
-        drop((guest, api, notify));
+        drop((guest, api, notify, ctl));
         redirect(1, Some(&dir.join("vmm.log")));
         match &user_stderr {
             // SAFETY: dup2(2) of a descriptor this process owns onto descriptor 2.
@@ -342,7 +351,8 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
         // Asked now: once the VMM's filters are in, isatty's ioctl is refused.
         // SAFETY: isatty(3) of a descriptor number.
         let on_terminal = unsafe { libc::isatty(2) } == 1;
-        let code = match crate::builder::run(&cfg, &crate::builder::Timeline::start()) {
+        let t = crate::builder::Timeline::start();
+        let code = match crate::builder::run(&cfg, &t, Some(OwnedFd::from(vmm_ctl))) {
             Ok(code) => code,
             Err(e) => {
                 // 124 for its --timeout, as a run's (describe_end says "timed out").
@@ -362,7 +372,7 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
         // SAFETY: _exit(2) ends the VMM with its status (its vCPU threads may be in KVM_RUN).
         unsafe { libc::_exit(i32::from(code)) };
     }
-    drop(user_stderr);
+    drop((user_stderr, vmm_ctl));
     info.pid = me;
     info.vmm_pid = vmm as u32;
     // Recorded so that `rm` never kills a stranger that reused a pid.
@@ -404,6 +414,7 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
         info,
         spec,
         vmm,
+        ctl,
         guest,
         api,
         notify,
@@ -434,6 +445,7 @@ struct ServeArgs {
     info: Info,
     spec: guest_init::protocol::RunSpec,
     vmm: libc::pid_t,
+    ctl: std::os::unix::net::UnixStream,
     guest: std::os::unix::net::UnixListener,
     api: std::os::unix::net::UnixListener,
     notify: std::fs::File,
@@ -446,6 +458,9 @@ struct Sup {
     info: Mutex<Info>,
     spec: guest_init::protocol::RunSpec,
     vmm: libc::pid_t,
+    /// The channel to the VMM (vmmctl.rs), one request at a time; held across a state change
+    /// it makes (pause, resume), so that those never interleave.
+    vmm_ctl: tokio::sync::Mutex<UnixStream>,
     /// Frames for the guest's control stream.
     control: mpsc::UnboundedSender<Vec<u8>>,
     control_taken: AtomicBool,
@@ -490,6 +505,20 @@ impl Sup {
 }
 
 async fn serve(a: ServeArgs) -> i32 {
+    let vmm_ctl = match a
+        .ctl
+        .set_nonblocking(true)
+        .and_then(|()| UnixStream::from_std(a.ctl))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            let mut n = a.notify;
+            let _ = writeln!(n, "the VMM's control channel: {e}");
+            // SAFETY: kill(2) of our own child.
+            unsafe { libc::kill(a.vmm, libc::SIGKILL) };
+            return 1;
+        }
+    };
     let (control_tx, control_rx) = mpsc::unbounded_channel();
     let (ended, _) = watch::channel(false);
     let sup = Arc::new(Sup {
@@ -497,6 +526,7 @@ async fn serve(a: ServeArgs) -> i32 {
         info: Mutex::new(a.info),
         spec: a.spec,
         vmm: a.vmm,
+        vmm_ctl: tokio::sync::Mutex::new(vmm_ctl),
         control: control_tx,
         control_taken: AtomicBool::new(false),
         pending: Mutex::new(HashMap::new()),
@@ -617,7 +647,9 @@ async fn serve(a: ServeArgs) -> i32 {
             loop {
                 tokio::time::sleep(Duration::from_secs(1)).await;
                 let quiet = lock(&s.last_active).elapsed();
-                if s.active_execs.load(Ordering::SeqCst) == 0 && quiet >= idle {
+                // A paused sandbox is kept as it is, however long (resume restarts the clock).
+                let paused = lock(&s.info).state == "paused";
+                if s.active_execs.load(Ordering::SeqCst) == 0 && quiet >= idle && !paused {
                     *lock(&s.stop_reason) = Some(format!(
                         "stopped after {} s without an exec (--idle-timeout)",
                         idle.as_secs()
@@ -861,6 +893,14 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
             let _ = ended.wait_for(|e| *e).await;
             reply_json(&mut conn, 200, &sup.snapshot()).await
         }
+        ("POST", "/v1/pause") => match pause(sup).await {
+            Ok(info) => reply_json(&mut conn, 200, &info).await,
+            Err((code, e)) => reply_error(&mut conn, code, &e).await,
+        },
+        ("POST", "/v1/resume") => match resume(sup).await {
+            Ok(info) => reply_json(&mut conn, 200, &info).await,
+            Err((code, e)) => reply_error(&mut conn, code, &e).await,
+        },
         ("POST", "/v1/exec") => {
             let req: ExecRequest = match parse_body(&body) {
                 Ok(r) => r,
@@ -875,7 +915,7 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
             }
             exec(sup, conn, req, leftover).await
         }
-        (_, "/v1/sandbox" | "/v1/wait" | "/v1/stop" | "/v1/exec") => {
+        (_, "/v1/sandbox" | "/v1/wait" | "/v1/stop" | "/v1/exec" | "/v1/pause" | "/v1/resume") => {
             reply_error(&mut conn, 405, &format!("{method} {path}: wrong method")).await
         }
         _ => reply_error(&mut conn, 404, &format!("no such endpoint {path}")).await,
@@ -888,10 +928,18 @@ fn stop(sup: &Arc<Sup>, grace: u32) {
     if sup.stopping.swap(true, Ordering::SeqCst) || *sup.ended.borrow() {
         return;
     }
+    let was_paused = lock(&sup.info).state == "paused";
     sup.update(|i| i.state = "stopping".into());
     sup.send_control(FrameKind::Shutdown, &grace.to_le_bytes());
     let s = sup.clone();
     tokio::spawn(async move {
+        // A paused guest reads its Shutdown once its vCPUs run again.
+        if was_paused {
+            let mut ctl = s.vmm_ctl.lock().await;
+            if let Err(e) = crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume).await {
+                tracing::warn!("resuming the paused guest to stop it: {e}");
+            }
+        }
         let mut ended = s.ended.subscribe();
         let limit = Duration::from_secs(u64::from(grace)) + STOP_MARGIN;
         if tokio::time::timeout(limit, ended.wait_for(|e| *e))
@@ -903,6 +951,59 @@ fn stop(sup: &Arc<Sup>, grace: u32) {
             unsafe { libc::kill(s.vmm, libc::SIGKILL) };
         }
     });
+}
+
+/// `amvm pause`: the vCPUs stopped (the VMM parks them), the sandbox `paused`. Pausing a
+/// paused sandbox changes nothing.
+async fn pause(sup: &Arc<Sup>) -> Result<Info, (u16, String)> {
+    let mut ctl = sup.vmm_ctl.lock().await;
+    let info = sup.snapshot();
+    match info.state.as_str() {
+        "paused" => return Ok(info),
+        "running" => {}
+        other => {
+            return Err((
+                409,
+                format!(
+                    "sandbox {} is {other}: only a running sandbox can be paused",
+                    info.id
+                ),
+            ))
+        }
+    }
+    crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Pause)
+        .await
+        .map_err(|e| (500, format!("pausing sandbox {}: {e}", info.id)))?;
+    // A stop that came meanwhile (it waited for nothing) wins: let the guest read it.
+    if sup.stopping.load(Ordering::SeqCst) {
+        let _ = crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume).await;
+        return Err((409, format!("sandbox {} is stopping", info.id)));
+    }
+    Ok(sup.update(|i| i.state = "paused".into()))
+}
+
+/// `amvm resume`: the vCPUs run again. Resuming a running sandbox changes nothing.
+async fn resume(sup: &Arc<Sup>) -> Result<Info, (u16, String)> {
+    let mut ctl = sup.vmm_ctl.lock().await;
+    let info = sup.snapshot();
+    match info.state.as_str() {
+        "running" => return Ok(info),
+        "paused" => {}
+        other => {
+            return Err((
+                409,
+                format!(
+                    "sandbox {} is {other}: only a paused sandbox can be resumed",
+                    info.id
+                ),
+            ))
+        }
+    }
+    crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume)
+        .await
+        .map_err(|e| (500, format!("resuming sandbox {}: {e}", info.id)))?;
+    *lock(&sup.last_active) = std::time::Instant::now();
+    Ok(sup.update(|i| i.state = "running".into()))
 }
 
 /// An exec's resource limits as numbers, or what is wrong with one.
@@ -1009,6 +1110,16 @@ async fn exec(
 /// error to answer with.
 async fn start_exec(sup: &Arc<Sup>, req: &ExecRequest) -> Result<(u64, UnixStream), (u16, String)> {
     let info = sup.snapshot();
+    if info.state == "paused" {
+        return Err((
+            409,
+            format!(
+                "sandbox {} is paused: `amvm resume {}` first",
+                info.id,
+                info.name.as_deref().unwrap_or(&info.id)
+            ),
+        ));
+    }
     if info.state != "running" {
         return Err((
             409,

@@ -5,5 +5,6 @@
 
 pub mod kvm;
 pub mod memory;
+pub mod pause;
 pub mod vcpu;
 pub mod vm;

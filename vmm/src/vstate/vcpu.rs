@@ -2,6 +2,7 @@
 //! which sends port I/O to the device bus and returns when the guest stops.
 
 use super::kvm::Kvm;
+use super::pause::Pauser;
 use crate::arch::x86_64::{cpuid, regs};
 use amvm_devices::bus::Bus;
 use kvm_bindings::{kvm_msr_entry, Msrs};
@@ -112,10 +113,24 @@ impl Vcpu {
     }
 
     /// Run the guest until it stops. Port I/O goes to `pio`, MMIO to `mmio` (where nothing
-    /// answers, reads float to all ones and writes are dropped).
-    pub fn run(mut self, pio: &Bus, mmio: &Bus) -> Result<VcpuStop, VcpuError> {
+    /// answers, reads float to all ones and writes are dropped). Between KVM_RUNs the vCPU
+    /// parks while `pauser` says so.
+    pub fn run(mut self, pio: &Bus, mmio: &Bus, pauser: &Pauser) -> Result<VcpuStop, VcpuError> {
+        pauser.enter();
+        let r = self.run_loop(pio, mmio, pauser);
+        pauser.leave();
+        r
+    }
+
+    fn run_loop(&mut self, pio: &Bus, mmio: &Bus, pauser: &Pauser) -> Result<VcpuStop, VcpuError> {
         let id = self.id;
         loop {
+            // Parked: the guest's kvmclock is told it was stopped, so its soft-lockup and RCU
+            // watchdogs do not take the pause for a hang (EINVAL before the guest enabled
+            // kvmclock: nothing to tell).
+            pauser.gate(|| {
+                let _ = self.fd.kvmclock_ctrl();
+            });
             match self.fd.run() {
                 Ok(VcpuExit::IoIn(port, data)) => pio.read(port.into(), data),
                 Ok(VcpuExit::IoOut(port, data)) => pio.write(port.into(), data),

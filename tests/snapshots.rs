@@ -1,0 +1,191 @@
+//! A sandbox's state kept while it does not run: `amvm pause` / `amvm resume` (issue 37). Real
+//! guests: a process's memory and the guest's files survive, a paused guest runs nothing,
+//! and every call that needs it running says it is paused instead of hanging.
+
+use amvm_tests::world::World;
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// Prints 0, 1, 2, ... every 50 ms: the count lives only in the process's memory.
+const COUNTER: &str =
+    "import time\ni = 0\nwhile True:\n    print(i, flush=True)\n    i += 1\n    time.sleep(0.05)\n";
+
+/// The numbers a counter printed so far.
+type Seen = Arc<Mutex<Vec<u64>>>;
+
+fn seen_len(seen: &Seen) -> usize {
+    seen.lock().unwrap().len()
+}
+
+fn wait_for_lines(seen: &Seen, n: usize, what: &str) {
+    let until = Instant::now() + Duration::from_secs(120);
+    while seen_len(seen) < n {
+        assert!(Instant::now() < until, "{what}: {} lines", seen_len(seen));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The count neither stands still nor restarts over `pauses`: every number once, in order.
+fn counted_on(seen: &Seen) {
+    let seen = seen.lock().unwrap();
+    let expected: Vec<u64> = (0..seen.len() as u64).collect();
+    assert_eq!(*seen, expected, "the counter restarted or skipped");
+}
+
+/// The counter's output has not grown for `quiet` (after `settle` for lines in flight).
+fn stands_still(seen: &Seen, settle: Duration, quiet: Duration) -> usize {
+    std::thread::sleep(settle);
+    let before = seen_len(seen);
+    std::thread::sleep(quiet);
+    let after = seen_len(seen);
+    assert_eq!(
+        before, after,
+        "the guest ran while paused: {before} then {after} lines"
+    );
+    after
+}
+
+fn api(sock: &Path, what: &str) -> (bool, String, String) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("standin/amvm_api.py");
+    let o = Command::new("python3")
+        .arg(script)
+        .arg(sock)
+        .arg(what)
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn a_paused_sandbox_keeps_its_processes_and_files_runs_nothing_and_says_it_is_paused() {
+    let w = World::new("snapshots", "pause");
+    let id = w.create(&["--name", "pz", "--mem", "256", "--cpus", "2"]);
+    let o = w.exec("pz", &["sh", "-c", "echo kept > /tmp/f"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+
+    let mut counter = w
+        .cmd(&["exec", "pz", "--", "python3", "-u", "-c", COUNTER])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let seen: Seen = Arc::default();
+    let out = counter.stdout.take().unwrap();
+    let s = seen.clone();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(out).lines() {
+            let Ok(line) = line else { break };
+            s.lock().unwrap().push(line.trim().parse().unwrap());
+        }
+    });
+    wait_for_lines(&seen, 5, "the counter before the pause");
+
+    // Paused: said so by pause, inspect and ls; the counter stands still.
+    let o = w.amvm(&["pause", "pz"]);
+    assert_eq!(
+        (o.code, o.stdout_str().trim()),
+        (0, id.as_str()),
+        "{}",
+        o.stderr
+    );
+    assert_eq!(w.inspect("pz")["state"], "paused");
+    let ls = w.amvm(&["ls"]);
+    assert!(
+        ls.stdout_str()
+            .lines()
+            .any(|l| l.starts_with(&id) && l.contains("paused")),
+        "ls: {}",
+        ls.stdout_str()
+    );
+    let at_pause = stands_still(&seen, Duration::from_millis(500), Duration::from_secs(2));
+
+    // What needs a running guest says it is paused, at once, and changes nothing.
+    for (what, args) in [
+        ("exec", vec!["exec", "pz", "--", "true"]),
+        ("cp", vec!["cp", "pz:/tmp/f", "-"]),
+    ] {
+        let o = w.amvm(&args);
+        assert_eq!(o.code, 125, "{what} on a paused sandbox: {o:?}");
+        assert!(
+            o.stderr
+                .contains("sandbox pz is paused: `amvm resume pz` first"),
+            "{what}: {}",
+            o.stderr
+        );
+    }
+    // Pausing again changes nothing; the guest still stands still.
+    let o = w.amvm(&["pause", "pz"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    stands_still(&seen, Duration::ZERO, Duration::from_millis(500));
+
+    // Resumed: the same process counts on from where it stood; the file is there.
+    let o = w.amvm(&["resume", "pz"]);
+    assert_eq!(
+        (o.code, o.stdout_str().trim()),
+        (0, id.as_str()),
+        "{}",
+        o.stderr
+    );
+    assert_eq!(w.inspect("pz")["state"], "running");
+    wait_for_lines(&seen, at_pause + 5, "the counter after resume");
+    counted_on(&seen);
+    let o = w.exec("pz", &["cat", "/tmp/f"]);
+    assert_eq!(
+        (o.code, o.stdout_str()),
+        (0, "kept\n".into()),
+        "{}",
+        o.stderr
+    );
+    let o = w.amvm(&["resume", "pz"]);
+    assert_eq!(o.code, 0, "resuming a running sandbox: {}", o.stderr);
+
+    // The same through the API, from Python: an exec there is refused with 409.
+    let sock = w.sandbox_dir(&id).join("api.sock");
+    let (ok, body, err) = api(&sock, "pause");
+    assert!(ok, "API pause: {err}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["state"], "paused");
+    let at_pause = stands_still(&seen, Duration::from_millis(500), Duration::from_secs(1));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("standin/amvm_api.py");
+    let o = Command::new("python3")
+        .arg(&script)
+        .arg(&sock)
+        .args(["exec", "true"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("409") && err.contains("is paused"),
+        "an API exec on a paused sandbox: {err}"
+    );
+    let (ok, body, err) = api(&sock, "resume");
+    assert!(ok, "API resume: {err}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["state"], "running");
+    wait_for_lines(&seen, at_pause + 5, "the counter after the API's resume");
+    counted_on(&seen);
+
+    // A paused sandbox stops as any other: its processes get their SIGTERM.
+    let o = w.amvm(&["pause", "pz"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let o = w.amvm(&["stop", "-t", "5", "pz"]);
+    assert_eq!(o.code, 0, "stopping a paused sandbox: {}", o.stderr);
+    assert_eq!(w.inspect("pz")["state"], "stopped");
+    let status = counter.wait().unwrap();
+    assert!(!status.success(), "the counter ended with the sandbox");
+    reader.join().unwrap();
+    let o = w.amvm(&["pause", "pz"]);
+    assert_eq!(o.code, 125, "pausing a stopped sandbox: {o:?}");
+    assert!(
+        o.stderr.contains("is not running (stopped)"),
+        "{}",
+        o.stderr
+    );
+}
