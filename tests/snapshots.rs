@@ -189,3 +189,117 @@ fn a_paused_sandbox_keeps_its_processes_and_files_runs_nothing_and_says_it_is_pa
         o.stderr
     );
 }
+
+/// The KVM state a snapshot carries, saved from a VM whose vCPUs are set up for boot, written
+/// in the state file format, read back, put into a new VM, and saved again: the same state
+/// (but for the counters that run on by themselves: the TSC, the clock, the PIT's load times).
+#[test]
+fn a_vm_and_its_vcpus_kvm_state_round_trips_through_the_state_file() {
+    use amvm::snapshot::{format, MachineState, Meta};
+    use amvm::vstate::{kvm::Kvm, memory, vcpu::BootEntry, vm::Vm};
+    amvm_tests::require_kvm();
+    let kvm = Kvm::open().expect("opening /dev/kvm");
+    let cpus = 2u8;
+    let machine = |mib| {
+        let (mem, _) = memory::create(mib, false).unwrap();
+        let vm = Vm::new(&kvm, &mem).unwrap();
+        (mem, vm)
+    };
+    let (_mem, vm) = machine(64);
+    let vcpus: Vec<_> = (0..cpus)
+        .map(|id| {
+            let v = vm.create_vcpu(id).unwrap();
+            let boot = (id == 0).then_some(BootEntry {
+                entry: 0x100_0000,
+                start_info: 0x6000,
+            });
+            v.configure(&kvm, cpus, boot).unwrap();
+            v
+        })
+        .collect();
+    let state = MachineState {
+        meta: Meta {
+            amvm: "test".into(),
+            kernel_sha256: "k".into(),
+            mem_mib: 64,
+            cpus,
+            created: 0,
+        },
+        vm: vm.save_state().unwrap(),
+        vcpus: vcpus.iter().map(|v| v.save_state(&kvm).unwrap()).collect(),
+    };
+    assert_eq!(state.vcpus[0].regs.rip, 0x100_0000, "the boot vCPU's entry");
+    assert!(
+        state.vcpus[0].msrs.len() > 10,
+        "MSRs saved: {:?}",
+        state.vcpus[0]
+            .msrs
+            .iter()
+            .map(|m| m.index)
+            .collect::<Vec<_>>()
+    );
+    let bytes = format::encode(&state).unwrap();
+    let back: MachineState = format::decode(&bytes).unwrap();
+
+    let (_mem2, vm2) = machine(64);
+    vm2.restore_state(&back.vm).unwrap();
+    let vcpus2: Vec<_> = back
+        .vcpus
+        .iter()
+        .map(|s| {
+            let v = vm2.create_vcpu(s.id).unwrap();
+            v.restore_state(&kvm, cpus, s).unwrap();
+            v
+        })
+        .collect();
+    let again = MachineState {
+        meta: back.meta.clone(),
+        vm: vm2.save_state().unwrap(),
+        vcpus: vcpus2.iter().map(|v| v.save_state(&kvm).unwrap()).collect(),
+    };
+    // Each vCPU's state, field by field, as its bytes; the TSC and a deadline made of it run on.
+    let json = |v: &amvm::vstate::vcpu::VcpuState| {
+        let mut j = serde_json::to_value(v).unwrap();
+        let msrs: Vec<_> = v
+            .msrs
+            .iter()
+            .filter(|m| m.index != 0x10 && m.index != 0x6e0)
+            .map(|m| (m.index, m.data))
+            .collect();
+        j["msrs"] = serde_json::json!(msrs);
+        j
+    };
+    for (a, b) in state.vcpus.iter().zip(&again.vcpus) {
+        let (ja, jb) = (json(a), json(b));
+        for field in ja.as_object().unwrap().keys() {
+            assert_eq!(ja[field], jb[field], "vCPU {}: {field} changed", a.id);
+        }
+    }
+    let bytes_of = |c| serde_json::to_value(c).unwrap();
+    for (a, b) in [
+        (&state.vm.pic_master, &again.vm.pic_master),
+        (&state.vm.pic_slave, &again.vm.pic_slave),
+        (&state.vm.ioapic, &again.vm.ioapic),
+    ] {
+        assert_eq!(bytes_of(a), bytes_of(b), "an interrupt controller changed");
+    }
+    assert!(
+        again.vm.clock.clock >= state.vm.clock.clock,
+        "the KVM clock went back: {} then {}",
+        state.vm.clock.clock,
+        again.vm.clock.clock
+    );
+    for (a, b) in state.vm.pit.channels.iter().zip(&again.vm.pit.channels) {
+        assert_eq!(
+            (a.mode, a.count),
+            (b.mode, b.count),
+            "a PIT channel changed"
+        );
+    }
+    // The state file refuses another amvm and another kernel before anything is restored.
+    assert!(back
+        .check("k")
+        .unwrap_err()
+        .to_string()
+        .contains("written by amvm test"));
+}

@@ -8,9 +8,33 @@ Rows, each a median over RUNS (a fresh sandbox per run):
   booted and torn down per command);
 * `true` spawned EXECS times inside the guest by its shell (its own clock): the floor;
 * an idle sandbox's host memory: the PSS of its supervisor, its VMM and its virtiofsd
-  (/proc/PID/smaps_rollup), after one exec, against the guest RAM it was given.
+  (/proc/PID/smaps_rollup), after one exec, against the guest RAM it was given;
+* pause + resume, EXECS round trips on the API socket (`POST /v1/pause`, `POST /v1/resume`: the
+  supervisor asks its VMM, every vCPU kicked out of KVM_RUN and parked, then let go), and the
+  same through the CLI (`amvm pause`, `amvm resume`: two processes);
+* the VMM's CPU time over 2 s of an idle guest, running and paused.
 """
-import argparse, json, os, shutil, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
+
+
+def post(sock_path, path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sock_path)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: amvm\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
+    answer = b""
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        answer += b
+    s.close()
+    if not answer.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"{path}: {answer[:200]!r}")
+
+
+def cpu_s(pid):
+    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pss_kib(pid):
@@ -51,6 +75,7 @@ def main():
     env = dict(os.environ, XDG_RUNTIME_DIR=xdg)
     run = lambda *args, **kw: subprocess.run([a.amvm, *args], env=env, capture_output=True, text=True, **kw)
     execs, runs, inside, mem = [], [], [], []
+    api_pr, cli_pr, cpu_run, cpu_paused = [], [], [], []
     try:
         for _ in range(a.runs):
             p = run("create", "--mem", str(a.mem), "--timeout", "3600")
@@ -70,6 +95,26 @@ def main():
                     " b=$(cut -d' ' -f1 /proc/uptime); echo $a $b")
             s, e = map(float, run("exec", sid, "--", "sh", "-c", loop, check=True).stdout.split())
             inside.append((e - s) / a.execs)
+            api = os.path.join(xdg, "amvm", sid, "api.sock")
+            t0 = time.monotonic()
+            for _ in range(a.execs):
+                post(api, "/v1/pause")
+                post(api, "/v1/resume")
+            api_pr.append((time.monotonic() - t0) / a.execs)
+            t0 = time.monotonic()
+            for _ in range(a.execs):
+                run("pause", sid, check=True)
+                run("resume", sid, check=True)
+            cli_pr.append((time.monotonic() - t0) / a.execs)
+            vmm = info["vmm_pid"]
+            for paused, into in ((False, cpu_run), (True, cpu_paused)):
+                if paused:
+                    post(api, "/v1/pause")
+                c0 = cpu_s(vmm)
+                time.sleep(2)
+                into.append((cpu_s(vmm) - c0) / 2)
+                if paused:
+                    post(api, "/v1/resume")
             run("rm", "-f", sid, check=True)
             t0 = time.monotonic()
             p = subprocess.run([a.amvm, "run", "--mem", str(a.mem), "--", "true"], capture_output=True, text=True)
@@ -85,11 +130,18 @@ def main():
         print(f"{'amvm run -- true (a fresh VM), ms':44} {ms(runs):>24}")
         print(f"{'true spawned inside the guest, ms':44} {ms(inside):>24}")
         print(f"{'idle sandbox host PSS, MiB':44} {m:9.1f} ({min(mem):.1f}-{max(mem):.1f})")
+        print(f"{'pause + resume on the API socket, ms':44} {ms(api_pr):>24}")
+        print(f"{'amvm pause + amvm resume (CLI), ms':44} {ms(cli_pr):>24}")
+        pct = lambda xs: f"{statistics.median(xs) * 100:9.1f} ({min(xs) * 100:.1f}-{max(xs) * 100:.1f})"
+        print(f"{'VMM CPU, idle guest running, % of a core':44} {pct(cpu_run):>24}")
+        print(f"{'VMM CPU, paused, % of a core':44} {pct(cpu_paused):>24}")
         print(f"exec vs a fresh VM: {r / e:.1f}x faster; exec vs an in-guest spawn: {e / i:.1f}x; "
               f"idle PSS is {m / a.mem * 100:.1f}% of the {a.mem} MiB guest")
         print(f"SUMMARY|sandbox: amvm exec -- true|{e * 1e3:.1f} ms|{r * 1e3:.1f} ms (amvm run -- true)|{e / r:.2f}|")
         print(f"SUMMARY|sandbox: exec vs in-guest spawn|{e * 1e3:.1f} ms|{i * 1e3:.2f} ms (in guest)|{e / i:.1f}|")
         print(f"SUMMARY|sandbox: idle host PSS|{m:.1f} MiB|{a.mem} MiB (guest RAM)|{m / a.mem:.3f}|")
+        pr = statistics.median(api_pr)
+        print(f"SUMMARY|sandbox: pause + resume (API)|{pr * 1e3:.1f} ms|{e * 1e3:.1f} ms (amvm exec -- true)|{pr / e:.2f}|")
         return 0
     finally:
         for d in os.listdir(os.path.join(xdg, "amvm")) if os.path.isdir(os.path.join(xdg, "amvm")) else []:

@@ -21,6 +21,7 @@ pub mod overlay;
 pub mod sandbox;
 pub mod seccomp;
 pub mod signals;
+pub mod snapshot;
 pub mod vmmctl;
 pub mod vstate;
 

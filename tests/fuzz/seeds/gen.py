@@ -341,8 +341,26 @@ def changes_tar():
     return seeds
 
 
+def snapshot_state():
+    """A small machine state (kvm-bindings' structs as byte arrays; short ones are zero-filled),
+    as a whole file (mode 0) and as a body behind a made header (mode 1)."""
+    import hashlib, json
+    zeros = lambda n: [0] * n
+    vcpu = {"id": 0, "cpuid": [zeros(40)], "mp_state": zeros(4), "regs": zeros(144),
+            "sregs": zeros(312), "xsave": zeros(64), "xcrs": zeros(392), "debugregs": zeros(128),
+            "lapic": zeros(64), "msrs": [zeros(16)], "events": zeros(64)}
+    body = json.dumps({"meta": {"amvm": "0.1.0", "kernel_sha256": "0", "mem_mib": 256, "cpus": 1,
+                                "created": 0},
+                       "vm": {"pit": zeros(112), "clock": zeros(48), "pic_master": zeros(64),
+                              "pic_slave": zeros(64), "ioapic": zeros(64)},
+                       "vcpus": [vcpu]}, separators=(",", ":")).encode()
+    head = b"AMVMSNAP" + u32(1) + u64(len(body)) + hashlib.sha256(body).digest()
+    return {"file": u8(0) + head + body, "body": u8(1) + body,
+            "other_version": u8(0) + b"AMVMSNAP" + u32(2) + head[12:] + body}
+
+
 def main():
-    for target, fn in [("vsock_packet", vsock_packet), ("vsock_connection", vsock_connection),
+    for target, fn in [("snapshot_state", snapshot_state), ("vsock_packet", vsock_packet), ("vsock_connection", vsock_connection),
                        ("vsock_muxer", vsock_muxer), ("virtio_mmio", virtio_mmio),
                        ("desc_chain", desc_chain), ("control_frames", control_frames),
                        ("changes_tar", changes_tar)]:

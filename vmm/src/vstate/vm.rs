@@ -3,8 +3,12 @@
 use super::kvm::Kvm;
 use super::vcpu::Vcpu;
 use crate::arch::x86_64::layout;
-use kvm_bindings::{kvm_pit_config, kvm_userspace_memory_region, KVM_PIT_SPEAKER_DUMMY};
+use kvm_bindings::{
+    kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2, kvm_userspace_memory_region,
+    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, KVM_PIT_SPEAKER_DUMMY,
+};
 use kvm_ioctls::{IoEventAddress, VmFd};
+use serde::{Deserialize, Serialize};
 use vm_memory::{GuestMemoryBackend, GuestMemoryMmap, GuestMemoryRegion};
 use vmm_sys_util::eventfd::EventFd;
 
@@ -24,8 +28,31 @@ pub enum VmError {
     Irqfd(u32, kvm_ioctls::Error),
     #[error("KVM_IOEVENTFD at {0:#x}: {1}")]
     Ioeventfd(u64, kvm_ioctls::Error),
+    #[error("saving the VM's state: {0}: {1}")]
+    Save(&'static str, kvm_ioctls::Error),
+    #[error("restoring the VM's state: {0}: {1}")]
+    Restore(&'static str, kvm_ioctls::Error),
     #[error("KVM_CREATE_VCPU {0}: {1}")]
     CreateVcpu(u8, kvm_ioctls::Error),
+}
+
+/// The VM's own state beside its vCPUs': the PIT, the KVM clock and the three in-kernel
+/// interrupt controllers (Firecracker's set).
+#[derive(Clone, Serialize, Deserialize)]
+pub struct VmState {
+    pub pit: kvm_pit_state2,
+    pub clock: kvm_clock_data,
+    pub pic_master: kvm_irqchip,
+    pub pic_slave: kvm_irqchip,
+    pub ioapic: kvm_irqchip,
+}
+
+impl std::fmt::Debug for VmState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmState")
+            .field("clock", &self.clock.clock)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug)]
@@ -84,6 +111,46 @@ impl Vm {
         self.fd
             .register_ioevent(evt, &IoEventAddress::Mmio(addr), datamatch)
             .map_err(|e| VmError::Ioeventfd(addr, e))
+    }
+
+    /// The VM's state (its vCPUs paused).
+    pub fn save_state(&self) -> Result<VmState, VmError> {
+        let e = |what: &'static str| move |err: kvm_ioctls::Error| VmError::Save(what, err);
+        let pit = self.fd.get_pit2().map_err(e("KVM_GET_PIT2"))?;
+        let clock = self.fd.get_clock().map_err(e("KVM_GET_CLOCK"))?;
+        let chip = |id: u32| -> Result<kvm_irqchip, VmError> {
+            let mut c = kvm_irqchip {
+                chip_id: id,
+                ..Default::default()
+            };
+            self.fd.get_irqchip(&mut c).map_err(e("KVM_GET_IRQCHIP"))?;
+            Ok(c)
+        };
+        Ok(VmState {
+            pit,
+            clock,
+            pic_master: chip(KVM_IRQCHIP_PIC_MASTER)?,
+            pic_slave: chip(KVM_IRQCHIP_PIC_SLAVE)?,
+            ioapic: chip(KVM_IRQCHIP_IOAPIC)?,
+        })
+    }
+
+    /// Put `state` back into this freshly created VM. The clock's flags are cleared: with
+    /// KVM_CLOCK_REALTIME passed back, KVM would move the guest's monotonic clock on by the
+    /// time since the snapshot (Firecracker #5809); the guest's wall clock is set by its init
+    /// instead.
+    pub fn restore_state(&self, state: &VmState) -> Result<(), VmError> {
+        let e = |what: &'static str| move |err: kvm_ioctls::Error| VmError::Restore(what, err);
+        self.fd.set_pit2(&state.pit).map_err(e("KVM_SET_PIT2"))?;
+        let clock = kvm_clock_data {
+            flags: 0,
+            ..state.clock
+        };
+        self.fd.set_clock(&clock).map_err(e("KVM_SET_CLOCK"))?;
+        for chip in [&state.pic_master, &state.pic_slave, &state.ioapic] {
+            self.fd.set_irqchip(chip).map_err(e("KVM_SET_IRQCHIP"))?;
+        }
+        Ok(())
     }
 
     pub fn create_vcpu(&self, id: u8) -> Result<Vcpu, VmError> {

@@ -1,0 +1,96 @@
+//! Snapshots (issue 37): a sandbox's state written to disk and read back.
+//!
+//! This step holds the state file's format ([`format`]) and what goes in it: the KVM state of
+//! the VM and its vCPUs (`vstate::vm::VmState`, `vstate::vcpu::VcpuState`), with what a
+//! restore must match (amvm's version, the guest kernel, the vCPU count and memory size). The
+//! devices' state and guest memory come next; see docs/DESIGN.md "Snapshots".
+
+pub mod format;
+
+use crate::vstate::vcpu::VcpuState;
+use crate::vstate::vm::VmState;
+use serde::{Deserialize, Serialize};
+
+/// What a restore checks before anything runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Meta {
+    /// `CARGO_PKG_VERSION` of the amvm that wrote it: another amvm's snapshot is refused.
+    pub amvm: String,
+    /// SHA-256 of the guest kernel image it booted, hex.
+    pub kernel_sha256: String,
+    pub mem_mib: u64,
+    pub cpus: u8,
+    /// Seconds since the epoch.
+    pub created: u64,
+}
+
+/// The machine's state: the VM's, then each vCPU's in id order.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct MachineState {
+    pub meta: Meta,
+    pub vm: VmState,
+    pub vcpus: Vec<VcpuState>,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum MismatchError {
+    #[error("it was written by amvm {0}; this is amvm {1}")]
+    Amvm(String, String),
+    #[error("its guest kernel differs from this one (sha256 {0}, here {1})")]
+    Kernel(String, String),
+    #[error("it holds {0} vCPU states for {1} vCPUs")]
+    VcpuCount(usize, u8),
+    #[error("vCPU state {0} is for vCPU {1}")]
+    VcpuOrder(usize, u8),
+}
+
+impl MachineState {
+    /// Whether this amvm, with this kernel, can restore it (CPU features are compared per vCPU
+    /// when they are restored).
+    pub fn check(&self, kernel_sha256: &str) -> Result<(), MismatchError> {
+        let here = env!("CARGO_PKG_VERSION");
+        if self.meta.amvm != here {
+            return Err(MismatchError::Amvm(self.meta.amvm.clone(), here.into()));
+        }
+        if self.meta.kernel_sha256 != kernel_sha256 {
+            return Err(MismatchError::Kernel(
+                self.meta.kernel_sha256.clone(),
+                kernel_sha256.into(),
+            ));
+        }
+        if self.vcpus.len() != usize::from(self.meta.cpus) {
+            return Err(MismatchError::VcpuCount(self.vcpus.len(), self.meta.cpus));
+        }
+        for (i, v) in self.vcpus.iter().enumerate() {
+            if usize::from(v.id) != i {
+                return Err(MismatchError::VcpuOrder(i, v.id));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The fuzz target's seed (tests/fuzz/seeds/gen.py) is a state this decoder reads, and a
+    /// restore checks it against this amvm and kernel before anything else.
+    #[test]
+    fn the_fuzz_seed_decodes_and_is_checked() {
+        let file = include_bytes!("../../../tests/fuzz/seeds/snapshot_state/file");
+        let state: MachineState = format::decode(&file[1..]).unwrap();
+        assert_eq!((state.meta.cpus, state.vcpus.len()), (1, 1));
+        assert_eq!(
+            state.check("another"),
+            Err(MismatchError::Kernel("0".into(), "another".into()))
+        );
+        assert_eq!(state.check("0"), Ok(()));
+        let mut other = state;
+        other.meta.amvm = "0.0.9".into();
+        assert!(matches!(other.check("0"), Err(MismatchError::Amvm(..))));
+        other.meta.amvm = env!("CARGO_PKG_VERSION").into();
+        other.meta.cpus = 2;
+        assert_eq!(other.check("0"), Err(MismatchError::VcpuCount(1, 2)));
+    }
+}
