@@ -349,6 +349,21 @@ fn exec_stop_and_kill_work_on_a_running_container() {
         text.contains("/dev/pts/") && text.contains("33 90\n"),
         "{text}"
     );
+    // podman pause / unpause: runc's pause and resume, the sandbox's vCPUs stopped and let go;
+    // state says paused meanwhile, and the container's process is the same after.
+    let out = p.podman(&["pause", "long"]);
+    assert_eq!(out.code, 0, "podman pause: {}", out.stderr);
+    let out = p.podman(&["inspect", "long", "--format", "{{.State.Status}}"]);
+    assert_eq!(out.stdout_str().trim(), "paused", "{}", out.stderr);
+    let out = p.podman(&["unpause", "long"]);
+    assert_eq!(out.code, 0, "podman unpause: {}", out.stderr);
+    let out = p.podman(&["exec", "long", "sh", "-c", "ps -o comm | grep -c sleep"]);
+    assert_eq!(
+        (out.code, out.stdout_str().as_str()),
+        (0, "1\n"),
+        "{}",
+        out.stderr
+    );
     // docker stop / podman stop: SIGTERM reaches the process (sleep dies of it: 143).
     let out = p.podman(&["stop", "--time", "20", "long"]);
     assert_eq!(out.code, 0, "{}", out.stderr);

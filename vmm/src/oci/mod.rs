@@ -108,6 +108,10 @@ pub enum OciCommand {
         id: String,
         signal: Option<String>,
     },
+    /// Stop the container's vCPUs where they are (its processes, memory and files are kept).
+    Pause { id: String },
+    /// Let a paused container run again.
+    Resume { id: String },
     /// Remove the container (with --force even while it runs).
     Delete {
         #[arg(long, short = 'f')]
@@ -218,10 +222,15 @@ impl Runtime {
         Ok((dir, c))
     }
 
-    /// created, running or stopped.
+    /// created, running, paused or stopped.
     fn status(&self, dir: &Path, c: &Container) -> &'static str {
         if !process_is(c.pid, c.pid_start) {
             "stopped"
+        } else if crate::sandbox::client::Sandbox::open(&c.sandbox)
+            .and_then(|sb| crate::sandbox::read_state(sb.dir()))
+            .is_ok_and(|i| i.state == "paused")
+        {
+            "paused"
         } else if dir.join("started").exists() {
             "running"
         } else {
@@ -326,6 +335,8 @@ fn run(cli: OciCli) -> Result<u8, OciError> {
         }
         OciCommand::Kill { all, id, signal } => kill(&rt, &id, signal.as_deref(), all),
         OciCommand::Delete { force, id } => delete(&rt, &id, force),
+        OciCommand::Pause { id } => pause_or_resume(&rt, &id, true),
+        OciCommand::Resume { id } => pause_or_resume(&rt, &id, false),
         OciCommand::Exec {
             process,
             detach,
@@ -339,8 +350,10 @@ fn run(cli: OciCli) -> Result<u8, OciError> {
             command,
         } => {
             let (dir, c) = rt.load(&id)?;
-            if rt.status(&dir, &c) != "running" {
-                return Err(OciError::State(id, "not running"));
+            match rt.status(&dir, &c) {
+                "running" => {}
+                "paused" => return Err(OciError::State(id, "paused (resume it first)")),
+                _ => return Err(OciError::State(id, "not running")),
             }
             let args = match process {
                 Some(p) => exec_args_from(&p, &c.sandbox)?,
@@ -648,7 +661,7 @@ fn start(rt: &Runtime, id: &str) -> Result<u8, OciError> {
     let (dir, c) = rt.load(id)?;
     match rt.status(&dir, &c) {
         "created" => {}
-        "running" => return Err(OciError::State(id.into(), "running already")),
+        "running" | "paused" => return Err(OciError::State(id.into(), "running already")),
         _ => return Err(OciError::State(id.into(), "stopped")),
     }
     std::fs::write(dir.join("started"), b"").map_err(io_err(dir.display()))?;
@@ -688,17 +701,45 @@ fn kill(rt: &Runtime, id: &str, signal: Option<&str>, all: bool) -> Result<u8, O
     Ok(0)
 }
 
+/// runc's `pause` / `resume` (`podman pause` / `unpause`): the container's sandbox paused or
+/// resumed (its vCPUs stopped, as runc's freezer stops its processes).
+fn pause_or_resume(rt: &Runtime, id: &str, pause: bool) -> Result<u8, OciError> {
+    let (dir, c) = rt.load(id)?;
+    match (rt.status(&dir, &c), pause) {
+        ("running", true) | ("paused", false) => {}
+        ("paused", true) => return Err(OciError::State(id.into(), "paused already")),
+        ("running", false) => return Err(OciError::State(id.into(), "not paused")),
+        _ => return Err(OciError::State(id.into(), "not running")),
+    }
+    let sb = crate::sandbox::client::Sandbox::open(&c.sandbox)?;
+    if pause {
+        sb.pause()?;
+    } else {
+        sb.resume()?;
+    }
+    Ok(0)
+}
+
 fn delete(rt: &Runtime, id: &str, force: bool) -> Result<u8, OciError> {
     let (dir, c) = match rt.load(id) {
         Ok(x) => x,
         Err(OciError::NoContainer(_)) if force => return Ok(0),
         Err(e) => return Err(e),
     };
-    if rt.status(&dir, &c) == "running" && !force {
-        return Err(OciError::State(
-            id.into(),
-            "running (delete --force kills it)",
-        ));
+    match rt.status(&dir, &c) {
+        "running" if !force => {
+            return Err(OciError::State(
+                id.into(),
+                "running (delete --force kills it)",
+            ))
+        }
+        "paused" if !force => {
+            return Err(OciError::State(
+                id.into(),
+                "paused (delete --force kills it)",
+            ))
+        }
+        _ => {}
     }
     if process_is(c.pid, c.pid_start) {
         // SAFETY: kill(2) of the container's process, checked to be ours by its start time.
