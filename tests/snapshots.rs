@@ -303,3 +303,41 @@ fn a_vm_and_its_vcpus_kvm_state_round_trips_through_the_state_file() {
         .to_string()
         .contains("written by amvm test"));
 }
+
+/// virtiofsd's part of a snapshot: its state (the inodes the guest holds) saved over
+/// vhost-user's device-state protocol and loaded into a new virtiofsd serving the same
+/// directory; a damaged state is refused by the new one, not taken.
+#[test]
+fn virtiofsd_saves_its_state_and_a_new_one_loads_it() {
+    use amvm::fs::{virtiofsd_path, Virtiofsd};
+    use amvm_devices::virtio::fs::VhostUserFs;
+    let cache = amvm::config::cache_dir().expect("a cache directory");
+    let bin = virtiofsd_path(&cache);
+    let dir = std::env::temp_dir().join(format!("amvm-fs-state-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("sub")).unwrap();
+    std::fs::write(dir.join("sub/file"), "kept").unwrap();
+    let policy = amvm::seccomp::Policy::new(false).unwrap();
+    let serve = || {
+        let (d, stream) = Virtiofsd::spawn(&bin, &dir, false, false, &[], &policy)
+            .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+        let fs = VhostUserFs::new("workspace", stream).expect("the vhost-user handshake");
+        (d, fs)
+    };
+    let (_a, mut a) = serve();
+    let state = a.save_backend_state().expect("virtiofsd saves its state");
+    assert!(
+        state.ring_bases.is_empty(),
+        "no rings before the guest's driver started"
+    );
+    assert!(!state.blob.is_empty(), "an empty state");
+
+    let (_b, mut b) = serve();
+    b.load_backend_state(&state.blob)
+        .expect("a new virtiofsd loads it");
+
+    let (_c, mut c) = serve();
+    let half = &state.blob[..state.blob.len() / 2];
+    let e = c.load_backend_state(half).unwrap_err();
+    assert!(e.to_string().contains("CHECK_DEVICE_STATE"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -13,7 +13,10 @@ use super::{
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost::vhost_user::message::{
+    VhostTransferStateDirection, VhostTransferStatePhase, VhostUserProtocolFeatures,
+    VhostUserVirtioFeatures,
+};
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use virtio_queue::{Queue, QueueT};
@@ -42,6 +45,23 @@ pub enum FsError {
     Vhost { step: &'static str, detail: String },
     #[error("the vhost-user backend does not offer VIRTIO_F_VERSION_1")]
     NoVersion1,
+    #[error("the vhost-user backend cannot save or load its state (VHOST_USER_PROTOCOL_F_DEVICE_STATE; virtiofsd 1.11 or later has it)")]
+    NoDeviceState,
+    #[error("the backend's state: {0}")]
+    StateIo(io::Error),
+    #[error("the backend's state is {0} bytes, more than {MAX_BACKEND_STATE}")]
+    StateTooLarge(u64),
+}
+
+/// virtiofsd's state is a path per inode the guest holds: megabytes at most.
+pub const MAX_BACKEND_STATE: u64 = 256 << 20;
+
+/// The backend's part of a snapshot: where each ring stood, and its own state (virtiofsd's:
+/// the inodes and open files the guest holds, as paths), opaque to us.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BackendState {
+    pub ring_bases: Vec<u32>,
+    pub blob: Vec<u8>,
 }
 
 fn vhost(step: &'static str) -> impl FnOnce(vhost::Error) -> FsError {
@@ -58,8 +78,12 @@ pub struct VhostUserFs {
     backend_features: u64,
     acked: u64,
     protocol: bool,
+    /// The backend can save and load its state (snapshots).
+    device_state: bool,
     queue_sizes: [u16; NUM_QUEUES],
     active: bool,
+    /// The rings' kick fds, to start them again after a snapshot stopped them.
+    kicks: Vec<EventFd>,
 }
 
 impl std::fmt::Debug for VhostUserFs {
@@ -87,12 +111,17 @@ impl VhostUserFs {
             return Err(FsError::NoVersion1);
         }
         let protocol = backend_features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() != 0;
+        let mut device_state = false;
         if protocol {
+            // GET_FEATURES and GET_PROTOCOL_FEATURES both before SET_PROTOCOL_FEATURES (Cloud
+            // Hypervisor #6931: otherwise a backend may not take what is set).
             let offered = frontend
                 .get_protocol_features()
                 .map_err(vhost("GET_PROTOCOL_FEATURES"))?;
+            let wanted = VhostUserProtocolFeatures::MQ | VhostUserProtocolFeatures::DEVICE_STATE;
+            device_state = offered.contains(VhostUserProtocolFeatures::DEVICE_STATE);
             frontend
-                .set_protocol_features(offered & VhostUserProtocolFeatures::MQ)
+                .set_protocol_features(offered & wanted)
                 .map_err(vhost("SET_PROTOCOL_FEATURES"))?;
         }
         Ok(VhostUserFs {
@@ -101,9 +130,112 @@ impl VhostUserFs {
             backend_features,
             acked: 0,
             protocol,
+            device_state,
             queue_sizes: [QUEUE_SIZE; NUM_QUEUES],
             active: false,
+            kicks: Vec::new(),
         })
+    }
+
+    /// For a snapshot (the guest paused): stop the rings (GET_VRING_BASE: the backend finishes
+    /// what it took and says where each ring stands), then read the backend's state to its end
+    /// and have it confirm the save. The rings stay stopped: [`VhostUserFs::restart_rings`]
+    /// starts them again where they stood if the guest goes on.
+    pub fn save_backend_state(&mut self) -> Result<BackendState, FsError> {
+        use std::io::Read;
+        if !self.device_state {
+            return Err(FsError::NoDeviceState);
+        }
+        let mut ring_bases = Vec::with_capacity(NUM_QUEUES);
+        if self.active {
+            for i in 0..NUM_QUEUES {
+                ring_bases.push(
+                    self.frontend
+                        .get_vring_base(i)
+                        .map_err(vhost("GET_VRING_BASE"))?,
+                );
+            }
+        }
+        let (read_end, write_end) = pipe().map_err(FsError::StateIo)?;
+        let theirs = self
+            .frontend
+            .set_device_state_fd(
+                VhostTransferStateDirection::SAVE,
+                VhostTransferStatePhase::STOPPED,
+                write_end,
+            )
+            .map_err(vhost("SET_DEVICE_STATE_FD (save)"))?;
+        // The backend writes in a thread of its own and closes its end when done: read to EOF,
+        // from the descriptor it gave back if it gave one.
+        let mut from: std::fs::File = match theirs {
+            Some(f) => f,
+            None => std::fs::File::from(read_end),
+        };
+        let mut blob = Vec::new();
+        (&mut from)
+            .take(MAX_BACKEND_STATE + 1)
+            .read_to_end(&mut blob)
+            .map_err(FsError::StateIo)?;
+        if blob.len() as u64 > MAX_BACKEND_STATE {
+            return Err(FsError::StateTooLarge(blob.len() as u64));
+        }
+        self.frontend
+            .check_device_state()
+            .map_err(vhost("CHECK_DEVICE_STATE (save)"))?;
+        Ok(BackendState { ring_bases, blob })
+    }
+
+    /// The guest goes on after a snapshot: each ring starts again where it stood.
+    pub fn restart_rings(&mut self, ring_bases: &[u32]) -> Result<(), FsError> {
+        if !self.active {
+            return Ok(());
+        }
+        for (i, (&base, kick)) in ring_bases.iter().zip(&self.kicks).enumerate() {
+            let base = u16::try_from(base).map_err(|_| FsError::Vhost {
+                step: "SET_VRING_BASE",
+                detail: format!("ring {i}: base {base} is not a ring index"),
+            })?;
+            self.frontend
+                .set_vring_base(i, base)
+                .map_err(vhost("SET_VRING_BASE"))?;
+            self.frontend
+                .set_vring_kick(i, kick)
+                .map_err(vhost("SET_VRING_KICK"))?;
+            if self.protocol {
+                self.frontend
+                    .set_vring_enable(i, true)
+                    .map_err(vhost("SET_VRING_ENABLE"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A restored device's new backend takes the snapshot's state, before the guest's queues
+    /// are handed to it (the restored transport activates the device after this).
+    pub fn load_backend_state(&mut self, blob: &[u8]) -> Result<(), FsError> {
+        use std::io::Write;
+        if !self.device_state {
+            return Err(FsError::NoDeviceState);
+        }
+        let (read_end, write_end) = pipe().map_err(FsError::StateIo)?;
+        let theirs = self
+            .frontend
+            .set_device_state_fd(
+                VhostTransferStateDirection::LOAD,
+                VhostTransferStatePhase::STOPPED,
+                read_end,
+            )
+            .map_err(vhost("SET_DEVICE_STATE_FD (load)"))?;
+        let mut to: std::fs::File = match theirs {
+            Some(f) => f,
+            None => std::fs::File::from(write_end),
+        };
+        to.write_all(blob).map_err(FsError::StateIo)?;
+        // End of the state: the backend's reader sees EOF and applies it.
+        drop(to);
+        self.frontend
+            .check_device_state()
+            .map_err(vhost("CHECK_DEVICE_STATE (load)"))
     }
 
     /// Program the backend with the negotiated features, guest memory and the queues.
@@ -154,8 +286,9 @@ impl VhostUserFs {
             self.frontend
                 .set_vring_addr(i, &config)
                 .map_err(vhost("SET_VRING_ADDR"))?;
+            // 0 at the guest's activation; where the queue stood for a restored device.
             self.frontend
-                .set_vring_base(i, 0)
+                .set_vring_base(i, q.next_avail())
                 .map_err(vhost("SET_VRING_BASE"))?;
             self.frontend
                 .set_vring_call(i, call)
@@ -224,9 +357,25 @@ impl VirtioDevice for VhostUserFs {
         })?;
         self.start(&mem, &queues, &queue_evts, call)
             .map_err(|e| ActivateError::Backend(io::Error::other(e.to_string())))?;
+        self.kicks = queue_evts;
         self.active = true;
         Ok(())
     }
+}
+
+/// A pipe, both ends close-on-exec.
+fn pipe() -> io::Result<(std::os::fd::OwnedFd, std::os::fd::OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe2(2) writes two descriptors into the array this frame owns.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor that nothing else owns.
+    let read = unsafe { std::os::fd::OwnedFd::from_raw_fd(fds[0]) };
+    // SAFETY: as above.
+    let write = unsafe { std::os::fd::OwnedFd::from_raw_fd(fds[1]) };
+    Ok((read, write))
 }
 
 /// `struct virtio_fs_config { u8 tag[36]; le32 num_request_queues; }` at `offset`: the bytes

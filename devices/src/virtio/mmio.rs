@@ -59,6 +59,52 @@ pub enum MmioError {
     EventFd(#[source] std::io::Error),
 }
 
+/// One queue as the driver configured it (a snapshot's).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct QueueConfig {
+    pub size: u16,
+    pub ready: bool,
+    pub desc_table: u64,
+    pub avail_ring: u64,
+    pub used_ring: u64,
+}
+
+/// A transport's state as the driver left it (a snapshot's): its registers, its interrupt
+/// state and its queues' configuration. Where each queue stood is not here: the used ring's
+/// index in guest memory says it (the devices finish every chain they take before a snapshot).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct MmioState {
+    pub device_type: u32,
+    pub status: u32,
+    pub device_features_sel: u32,
+    pub driver_features_sel: u32,
+    pub driver_features: u64,
+    pub acked_beyond_64: bool,
+    pub queue_sel: u32,
+    pub activated: bool,
+    pub interrupt_status: u32,
+    pub config_generation: u32,
+    pub queues: Vec<QueueConfig>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RestoreError {
+    #[error("the state is for device type {state}, this device is type {device}")]
+    DeviceType { state: u32, device: u32 },
+    #[error("the state has {state} queues, this device {device}")]
+    QueueCount { state: usize, device: usize },
+    #[error(
+        "queue {index}: size {size} is not one this device takes (at most {max}, a power of two)"
+    )]
+    QueueSize { index: usize, size: u16, max: u16 },
+    #[error("queue {index}: its used ring at {addr:#x} is not in guest memory")]
+    UsedRing { index: usize, addr: u64 },
+    #[error("activating the device: {0}")]
+    Activate(#[from] ActivateError),
+    #[error("raising the interrupt: {0}")]
+    Interrupt(std::io::Error),
+}
+
 /// One virtio device behind one MMIO register window. See the module doc for the state machine.
 pub struct MmioTransport {
     device: Arc<Mutex<dyn VirtioDevice>>,
@@ -527,6 +573,105 @@ impl MmioTransport {
         lock(&self.device).activate(self.mem.clone(), queues, queue_evts, self.interrupt.clone())
     }
 
+    /// The transport's state for a snapshot (the guest paused).
+    pub fn save_state(&self) -> MmioState {
+        MmioState {
+            device_type: self.device_type,
+            status: self.status,
+            device_features_sel: self.device_features_sel,
+            driver_features_sel: self.driver_features_sel,
+            driver_features: self.driver_features,
+            acked_beyond_64: self.acked_beyond_64,
+            queue_sel: self.queue_sel,
+            activated: self.activated,
+            interrupt_status: self.interrupt.status(),
+            config_generation: self.interrupt.config_generation(),
+            queues: self
+                .queues
+                .iter()
+                .map(|q| QueueConfig {
+                    size: q.size(),
+                    ready: q.ready(),
+                    desc_table: q.desc_table(),
+                    avail_ring: q.avail_ring(),
+                    used_ring: q.used_ring(),
+                })
+                .collect(),
+        }
+    }
+
+    /// Put this freshly made transport (its device new, never activated) into `state`: the
+    /// registers read back what the driver wrote, and a device that was active is activated
+    /// again with its queues where their used rings (in the restored guest memory) say they
+    /// stood. The state is checked as input: a queue size the device does not take, a ring
+    /// outside guest memory or a device of another type is an error, never a panic.
+    pub fn restore_state(&mut self, state: &MmioState) -> Result<(), RestoreError> {
+        use vm_memory::Bytes;
+        if state.device_type != self.device_type {
+            return Err(RestoreError::DeviceType {
+                state: state.device_type,
+                device: self.device_type,
+            });
+        }
+        if state.queues.len() != self.queues.len() {
+            return Err(RestoreError::QueueCount {
+                state: state.queues.len(),
+                device: self.queues.len(),
+            });
+        }
+        for (index, (q, c)) in self.queues.iter_mut().zip(&state.queues).enumerate() {
+            let max = q.max_size();
+            if c.size > max || (c.size != 0 && !c.size.is_power_of_two()) {
+                return Err(RestoreError::QueueSize {
+                    index,
+                    size: c.size,
+                    max,
+                });
+            }
+            if c.size != 0 {
+                q.set_size(c.size);
+            }
+            q.set_desc_table_address(Some(c.desc_table as u32), Some((c.desc_table >> 32) as u32));
+            q.set_avail_ring_address(Some(c.avail_ring as u32), Some((c.avail_ring >> 32) as u32));
+            q.set_used_ring_address(Some(c.used_ring as u32), Some((c.used_ring >> 32) as u32));
+            q.set_ready(c.ready);
+            if state.activated && c.ready {
+                // used.idx, after the used ring's 2-byte flags: how far the device had gone.
+                let at = c.used_ring.checked_add(2).ok_or(RestoreError::UsedRing {
+                    index,
+                    addr: c.used_ring,
+                })?;
+                let used: u16 =
+                    self.mem
+                        .read_obj(GuestAddress(at))
+                        .map_err(|_| RestoreError::UsedRing {
+                            index,
+                            addr: c.used_ring,
+                        })?;
+                let used = u16::from_le(used);
+                q.set_next_used(used);
+                q.set_next_avail(used);
+            }
+        }
+        self.status = state.status;
+        self.device_features_sel = state.device_features_sel;
+        self.driver_features_sel = state.driver_features_sel;
+        self.driver_features = state.driver_features & self.device_features;
+        self.acked_beyond_64 = state.acked_beyond_64;
+        self.queue_sel = state.queue_sel;
+        if state.status & VIRTIO_CONFIG_S_FEATURES_OK != 0 {
+            lock(&self.device).ack_features(self.driver_features);
+        }
+        if state.activated {
+            self.activate()?;
+            self.activated = true;
+        }
+        self.interrupt
+            .restore(state.interrupt_status, state.config_generation)
+            .map_err(RestoreError::Interrupt)?;
+        Ok(())
+    }
+
     /// The driver wrote 0. An active device must agree; if it cannot, nothing changes except
     /// DEVICE_NEEDS_RESET. A device that never started (or failed to) has nothing to undo.
     fn reset(&mut self) {
@@ -624,6 +769,9 @@ mod tests {
         fn wr(&mut self, offset: u64, v: u32) {
             self.t.write(offset, &v.to_le_bytes());
         }
+        fn save_state_for_test(&self) -> MmioState {
+            self.t.save_state()
+        }
         fn dev(&self) -> MutexGuard<'_, DummyDevice> {
             self.dev.lock().unwrap()
         }
@@ -676,6 +824,88 @@ mod tests {
             self.add_status(DRIVER_OK);
             assert!(self.t.is_activated());
         }
+    }
+
+    /// A snapshot's transport state, put into a new transport and device: the registers read
+    /// back the same, the device is activated with the same queues, each where its used ring
+    /// in guest memory says it stood; a state that does not fit the device is refused.
+    #[test]
+    fn a_saved_transport_restores_into_a_new_one() {
+        use vm_memory::Bytes;
+        let mem = test_mem();
+        let mut r = rig_with(mem.clone(), DummyDevice::default());
+        r.activate();
+        // The device had used 5, 0 and 3 buffers of its three queues.
+        for (i, used) in [5u16, 0, 3].into_iter().enumerate() {
+            let (_, _, used_ring) = ring_addrs(i);
+            mem.write_obj(used.to_le(), GuestAddress(used_ring + 2))
+                .unwrap();
+        }
+        r.wr(VIRTIO_MMIO_QUEUE_SEL, 1);
+        let state = r.save_state_for_test();
+        assert!(state.activated);
+
+        let mut n = rig_with(mem.clone(), DummyDevice::default());
+        n.t.restore_state(&state).unwrap();
+        assert!(n.t.is_activated());
+        assert_eq!(n.t.save_state(), state);
+        for reg in [
+            VIRTIO_MMIO_STATUS,
+            VIRTIO_MMIO_QUEUE_NUM_MAX,
+            VIRTIO_MMIO_QUEUE_READY,
+        ] {
+            assert_eq!(n.rd(reg), r.rd(reg), "register {reg:#x}");
+        }
+        assert_eq!(n.dev().acked, r.dev().acked);
+        let activation = n.dev().activations.last().unwrap().clone();
+        let before = r.dev().activations.last().unwrap().clone();
+        for (i, (q, b)) in activation.iter().zip(&before).enumerate() {
+            assert_eq!(
+                (q.size, q.desc_table, q.avail_ring, q.used_ring),
+                (b.size, b.desc_table, b.avail_ring, b.used_ring),
+                "queue {i}"
+            );
+            let used = [5u16, 0, 3][i];
+            assert_eq!((q.next_used, q.next_avail), (used, used), "queue {i}");
+        }
+
+        // What does not fit is refused.
+        let mut other = state.clone();
+        other.device_type = 26;
+        assert!(matches!(
+            rig().t.restore_state(&other),
+            Err(RestoreError::DeviceType { .. })
+        ));
+        let mut other = state.clone();
+        other.queues[2].size = 128;
+        assert!(matches!(
+            rig().t.restore_state(&other),
+            Err(RestoreError::QueueSize { index: 2, .. })
+        ));
+        let mut other = state.clone();
+        other.queues[0].size = 3;
+        assert!(matches!(
+            rig().t.restore_state(&other),
+            Err(RestoreError::QueueSize { .. })
+        ));
+        let mut other = state.clone();
+        other.queues[1].used_ring = u64::MAX - 1;
+        assert!(matches!(
+            rig().t.restore_state(&other),
+            Err(RestoreError::UsedRing { index: 1, .. })
+        ));
+        other.queues.pop();
+        assert!(matches!(
+            rig().t.restore_state(&other),
+            Err(RestoreError::QueueCount { .. })
+        ));
+        // A ring outside guest memory is the activation's error, as for a driver's.
+        let mut other = state.clone();
+        other.queues[0].desc_table = 0x7fff_ffff_0000;
+        assert!(matches!(
+            rig().t.restore_state(&other),
+            Err(RestoreError::Activate(_))
+        ));
     }
 
     #[test]

@@ -272,6 +272,19 @@ impl InterruptStatus {
         self.line.trigger()
     }
 
+    /// A restored device (a snapshot's): its pending causes and config generation as they were;
+    /// pending causes are raised again, so the driver sees the interrupt it had not handled.
+    pub fn restore(&self, status: u32, config_generation: u32) -> io::Result<()> {
+        let status = status & (VIRTIO_MMIO_INT_VRING | VIRTIO_MMIO_INT_CONFIG);
+        self.config_generation
+            .store(config_generation, Ordering::SeqCst);
+        self.status.store(status, Ordering::SeqCst);
+        if status != 0 {
+            self.line.trigger()?;
+        }
+        Ok(())
+    }
+
     /// The driver's `InterruptACK` write: clear `bits`.
     pub fn ack(&self, bits: u32) {
         self.status.fetch_and(!bits, Ordering::SeqCst);

@@ -39,6 +39,9 @@ pub struct VsockDevice<B: Backend> {
     /// [`VsockDevice::with_thread_hook`]) and waits here for the device's activation.
     activate: Option<std::sync::mpsc::SyncSender<Activation>>,
     worker: Option<JoinHandle<()>>,
+    /// A restored device (a snapshot's): on activation the guest is told every connection it
+    /// had is gone (`VIRTIO_VSOCK_EVENT_TRANSPORT_RESET`); the host's ends did not survive.
+    restored: bool,
     _backend: std::marker::PhantomData<fn() -> B>,
 }
 
@@ -48,7 +51,12 @@ struct Activation {
     queues: Vec<Queue>,
     queue_evts: Vec<EventFd>,
     interrupt: Arc<InterruptStatus>,
+    restored: bool,
 }
+
+/// `struct virtio_vsock_event`'s only id: every connection of the guest is reset, and the guest
+/// reads the CID again (a restored snapshot, or a migration).
+const VIRTIO_VSOCK_EVENT_TRANSPORT_RESET: u32 = 0;
 
 impl<B: Backend> std::fmt::Debug for VsockDevice<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -88,7 +96,8 @@ where
                 let Ok(a) = activation.recv() else { return };
                 let mut queues = a.queues.into_iter();
                 let mut evts = a.queue_evts.into_iter();
-                let (Some(rx), Some(tx), Some(rx_evt), Some(tx_evt), Some(evq_evt)) = (
+                let (Some(rx), Some(tx), Some(evq), Some(rx_evt), Some(tx_evt), Some(evq_evt)) = (
+                    queues.next(),
                     queues.next(),
                     queues.next(),
                     evts.next(),
@@ -97,10 +106,18 @@ where
                 ) else {
                     return;
                 };
+                if a.restored {
+                    // The rings' avail_event may ask for kicks the restored driver already
+                    // sent: look at both queues once before waiting for any.
+                    let _ = rx_evt.write(1);
+                    let _ = tx_evt.write(1);
+                }
                 Worker {
                     mem: a.mem,
                     rx,
                     tx,
+                    evq,
+                    reset_pending: a.restored,
                     rx_evt,
                     tx_evt,
                     evq_evt,
@@ -123,8 +140,14 @@ where
             kill,
             activate: Some(activate),
             worker: Some(worker),
+            restored: false,
             _backend: std::marker::PhantomData,
         })
+    }
+
+    /// This device continues a snapshot's: see [`VsockDevice::restored`]'s field.
+    pub fn set_restored(&mut self) {
+        self.restored = true;
     }
 }
 
@@ -191,6 +214,7 @@ where
                 queues,
                 queue_evts,
                 interrupt,
+                restored: self.restored,
             })
             .map_err(|_| {
                 ActivateError::Backend(io::Error::other("the vsock worker thread has stopped"))
@@ -203,6 +227,10 @@ struct Worker<B: Backend> {
     mem: GuestMemoryMmap,
     rx: Queue,
     tx: Queue,
+    /// The event queue: used once, for a restored device's transport reset.
+    evq: Queue,
+    /// That reset is still to be sent (it waits for the driver's first event buffer).
+    reset_pending: bool,
     rx_evt: EventFd,
     tx_evt: EventFd,
     evq_evt: EventFd,
@@ -275,10 +303,49 @@ where
                     }
                 }
             }
+            if self.reset_pending {
+                self.send_transport_reset();
+            }
             self.process_tx();
             self.fill_rx();
             self.muxer.reap();
             self.sync_interest()?;
+        }
+    }
+
+    /// Put `VIRTIO_VSOCK_EVENT_TRANSPORT_RESET` in the driver's first event buffer (a 4-byte
+    /// device-writable one; a chain that is not is used with nothing written, and the next one
+    /// tried), and interrupt. Without a buffer it waits for the driver's kick on the queue.
+    fn send_transport_reset(&mut self) {
+        while let Some(chain) = self.evq.pop_descriptor_chain(&self.mem) {
+            let head = chain.head_index();
+            let mut written = 0;
+            for d in chain {
+                if d.is_write_only() && d.len() >= 4 {
+                    let id = VIRTIO_VSOCK_EVENT_TRANSPORT_RESET.to_le_bytes();
+                    if vm_memory::Bytes::write_slice(&self.mem, &id, d.addr()).is_ok() {
+                        written = 4;
+                    }
+                    break;
+                }
+            }
+            if let Err(e) = self.evq.add_used(&self.mem, head, written) {
+                tracing::warn!("vsock: event queue: {e:?}");
+                return;
+            }
+            if written == 4 {
+                self.reset_pending = false;
+                if let Err(e) = self.interrupt.signal_used_queue() {
+                    tracing::warn!("vsock: interrupt: {e}");
+                }
+                tracing::debug!("vsock: transport reset sent to the guest");
+                return;
+            }
+            tracing::warn!("vsock: an event buffer the device cannot write: used empty");
+        }
+        // No buffer yet: the driver's kick on the event queue brings this back.
+        if let Err(e) = self.evq.enable_notification(&self.mem) {
+            tracing::warn!("vsock: event queue: {e:?}");
         }
     }
 
@@ -472,6 +539,7 @@ mod tests {
     // Per queue: descriptor table, avail ring, used ring, and one 4 KiB page per buffer.
     const TX_BASE: u64 = 0x10000;
     const RX_BASE: u64 = 0x40000;
+    const EVQ_BASE: u64 = 0x70000;
     const DESC: u64 = 0;
     const AVAIL: u64 = 0x1000;
     const USED: u64 = 0x2000;
@@ -521,6 +589,8 @@ mod tests {
             mem,
             rx: queue(RX_BASE),
             tx: queue(TX_BASE),
+            evq: queue(EVQ_BASE),
+            reset_pending: false,
             rx_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             tx_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             evq_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
@@ -598,6 +668,30 @@ mod tests {
             .write_slice(&hdr.to_bytes(), GuestAddress(buf))
             .unwrap();
         offer(w, TX_BASE, slot, i);
+    }
+
+    /// A restored device tells the guest its connections are gone: the transport reset goes
+    /// into the first writable event buffer, once there is one, with an interrupt.
+    #[test]
+    fn a_restored_device_sends_one_transport_reset() {
+        let counter = Arc::new(Counter::default());
+        let mut w = worker(counter.clone());
+        w.reset_pending = true;
+        // No event buffer yet: nothing sent, still pending.
+        w.send_transport_reset();
+        assert!(w.reset_pending);
+        assert_eq!(u16_at(&w, used_idx(EVQ_BASE)), 0);
+        // A buffer the device may not write is used empty; the next one gets the event.
+        put_desc(&w, EVQ_BASE, 0, 4, 0);
+        offer(&w, EVQ_BASE, 0, 0);
+        let buf = put_desc(&w, EVQ_BASE, 1, 4, 2);
+        w.mem.write_obj(0xffff_ffffu32, GuestAddress(buf)).unwrap();
+        offer(&w, EVQ_BASE, 1, 1);
+        w.send_transport_reset();
+        assert!(!w.reset_pending);
+        assert_eq!(u16_at(&w, used_idx(EVQ_BASE)), 2);
+        assert_eq!(w.mem.read_obj::<u32>(GuestAddress(buf)).unwrap(), 0);
+        assert_eq!(counter.0.load(Ordering::SeqCst), 1);
     }
 
     #[test]

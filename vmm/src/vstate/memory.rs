@@ -78,6 +78,111 @@ pub fn create(mib: u64, huge: bool) -> Result<(GuestMemoryMmap, Backing), Memory
     Ok((mem, backing))
 }
 
+/// The one file that backs all of guest RAM (each region at its offset in it, in address
+/// order, as `create` lays them out), and its length.
+pub fn backing(mem: &GuestMemoryMmap) -> Option<(&File, u64)> {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion};
+    let first = mem.iter().next()?.file_offset()?.file();
+    let len = mem.iter().map(|r| r.len()).sum();
+    Some((first, len))
+}
+
+/// Copy `len` bytes of `from` into `to` at the same offsets, only where `from` holds data
+/// (SEEK_DATA / SEEK_HOLE): a guest's untouched RAM stays a hole in a snapshot's memory file,
+/// and a hole in the file stays untouched RAM. `to` is made `len` long. Returns the bytes
+/// copied.
+pub fn copy_sparse(from: &File, to: &File, len: u64) -> io::Result<u64> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    let have = from.metadata()?.len();
+    if have < len {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            format!("{have} bytes where guest RAM is {len}"),
+        ));
+    }
+    to.set_len(len)?;
+    let seek = |off: u64, whence: libc::c_int| -> io::Result<Option<u64>> {
+        let off = libc::off_t::try_from(off).map_err(io::Error::other)?;
+        // SAFETY: lseek(2) on an open descriptor; no pointers.
+        let r = unsafe { libc::lseek(from.as_raw_fd(), off, whence) };
+        if r >= 0 {
+            return Ok(Some(r as u64));
+        }
+        match io::Error::last_os_error() {
+            // No data at or after `off`.
+            e if e.raw_os_error() == Some(libc::ENXIO) => Ok(None),
+            e => Err(e),
+        }
+    };
+    let mut copied = 0u64;
+    let mut at = 0u64;
+    let mut buf = Vec::new();
+    let mut kernel_copy = true;
+    while at < len {
+        let Some(start) = seek(at, libc::SEEK_DATA)? else {
+            break;
+        };
+        if start >= len {
+            break;
+        }
+        let end = seek(start, libc::SEEK_HOLE)?.unwrap_or(len).min(len);
+        let mut pos = start;
+        while pos < end {
+            let want = (end - pos).min(64 << 20);
+            if kernel_copy {
+                let mut off_in = pos as libc::loff_t;
+                let mut off_out = pos as libc::loff_t;
+                // SAFETY: copy_file_range(2) between two open descriptors with offsets this
+                // frame owns; the kernel writes only those two offsets.
+                let n = unsafe {
+                    libc::copy_file_range(
+                        from.as_raw_fd(),
+                        &mut off_in,
+                        to.as_raw_fd(),
+                        &mut off_out,
+                        want as usize,
+                        0,
+                    )
+                };
+                if n > 0 {
+                    pos += n as u64;
+                    copied += n as u64;
+                    continue;
+                }
+                let e = io::Error::last_os_error();
+                match e.raw_os_error() {
+                    // Across file systems (or where the kernel cannot): read and write instead.
+                    Some(libc::EXDEV | libc::EINVAL | libc::EOPNOTSUPP | libc::ENOSYS) if n < 0 => {
+                        kernel_copy = false;
+                    }
+                    Some(libc::EINTR) if n < 0 => continue,
+                    _ if n == 0 => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!("the file ends at {pos}, before {len}"),
+                        ))
+                    }
+                    _ => return Err(e),
+                }
+            }
+            buf.resize(want.min(1 << 20) as usize, 0);
+            let n = from.read_at(&mut buf, pos)?;
+            if n == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("the file ends at {pos}, before {len}"),
+                ));
+            }
+            to.write_all_at(&buf[..n], pos)?;
+            pos += n as u64;
+            copied += n as u64;
+        }
+        at = end;
+    }
+    Ok(copied)
+}
+
 fn new_memfd() -> io::Result<File> {
     // SAFETY: the name is a NUL-terminated literal; the result is checked before use.
     let fd = unsafe { libc::memfd_create(c"amvm-guest-ram".as_ptr(), libc::MFD_CLOEXEC) };
@@ -117,6 +222,59 @@ mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::MetadataExt;
+
+    /// Guest RAM written out keeps its untouched pages holes, and read back into new guest RAM
+    /// gives the same bytes everywhere (the file crosses file systems: memfd to the temp dir's).
+    #[test]
+    fn guest_ram_round_trips_through_a_sparse_file() {
+        use vm_memory::Bytes;
+        let (mem, _) = create(64, false).unwrap();
+        let marks: [(u64, &[u8]); 3] = [
+            (0x1000, b"first page"),
+            (0x20_0000 + 7, b"two MiB in, unaligned"),
+            ((64 << 20) - 5, b"end!!"),
+        ];
+        for (addr, bytes) in marks {
+            mem.write_slice(bytes, GuestAddress(addr)).unwrap();
+        }
+        let (file, len) = backing(&mem).unwrap();
+        assert_eq!(len, 64 << 20);
+        let dir = std::env::temp_dir().join(format!("amvm-mem-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let out = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(dir.join("memory"))
+            .unwrap();
+        let copied = copy_sparse(file, &out, len).unwrap();
+        assert!(copied <= 4 * (2 << 20), "{copied} bytes copied for 3 pages");
+        assert_eq!(out.metadata().unwrap().len(), len);
+        assert!(
+            out.metadata().unwrap().blocks() * 512 < (8 << 20),
+            "the file is not sparse: {} blocks",
+            out.metadata().unwrap().blocks()
+        );
+
+        let (back, _) = create(64, false).unwrap();
+        let (to, _) = backing(&back).unwrap();
+        copy_sparse(&out, to, len).unwrap();
+        for (addr, bytes) in marks {
+            let mut got = vec![0u8; bytes.len()];
+            back.read_slice(&mut got, GuestAddress(addr)).unwrap();
+            assert_eq!(got, bytes, "at {addr:#x}");
+        }
+        let mut zero = vec![1u8; 4096];
+        back.read_slice(&mut zero, GuestAddress(0x30_0000)).unwrap();
+        assert!(zero.iter().all(|&b| b == 0));
+        // A file shorter than guest RAM says so.
+        out.set_len(len / 2).unwrap();
+        let (short, _) = create(64, false).unwrap();
+        let e = copy_sparse(&out, backing(&short).unwrap().0, len).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn guest_ram_is_a_memfd_by_default() {
