@@ -92,7 +92,15 @@ pub fn serve(socket: Option<PathBuf>) -> Result<(), SandboxError> {
         loop {
             tokio::select! {
                 conn = listener.accept() => {
-                    let Ok((conn, _)) = conn else { continue };
+                    let conn = match conn {
+                        Ok((conn, _)) => conn,
+                        Err(e) => {
+                            // Out of descriptors fails again at once while it lasts: no spin.
+                            tracing::warn!("accepting on {}: {e}", socket.display());
+                            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    };
                     let amvm = amvm.clone();
                     tokio::spawn(async move {
                         if let Err(e) = connection(&amvm, conn).await {

@@ -570,8 +570,12 @@ async fn serve(a: ServeArgs) -> i32 {
     let s = sup.clone();
     tokio::spawn(async move {
         loop {
-            let Ok((conn, _)) = guest.accept().await else {
-                continue;
+            let conn = match guest.accept().await {
+                Ok((conn, _)) => conn,
+                Err(e) => {
+                    accept_failed("guest.sock", &e).await;
+                    continue;
+                }
             };
             let s = s.clone();
             // The control stream takes the channel's receiver and the readiness sender.
@@ -626,8 +630,12 @@ async fn serve(a: ServeArgs) -> i32 {
     let s = sup.clone();
     tokio::spawn(async move {
         loop {
-            let Ok((conn, _)) = api.accept().await else {
-                continue;
+            let conn = match api.accept().await {
+                Ok((conn, _)) => conn,
+                Err(e) => {
+                    accept_failed("api.sock", &e).await;
+                    continue;
+                }
             };
             let s = s.clone();
             s.connections.fetch_add(1, Ordering::SeqCst);
@@ -690,6 +698,13 @@ async fn serve(a: ServeArgs) -> i32 {
         std::future::pending::<()>().await;
     }
     0
+}
+
+/// An accept that failed (out of descriptors: EMFILE, ENFILE; out of memory) fails again at
+/// once while its cause lasts: wait a little rather than spin, and say so.
+async fn accept_failed(socket: &str, e: &std::io::Error) {
+    tracing::warn!("accepting on {socket}: {e}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
 }
 
 /// How the VMM ended, in words (with the last line it wrote, when it failed).
