@@ -160,7 +160,8 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         }
         None => None,
     };
-    let kvm = Kvm::open()?;
+    // Shared with the vCPU threads (a parked one saves its state for a snapshot with it).
+    let kvm = Arc::new(Kvm::open()?);
     t.mark("egress checked, KVM open");
     // Guest RAM while amvm still has the capabilities to make its huge-page tmpfs (memory.rs).
     let mem_bytes = cfg.mem_mib << 20;
@@ -328,6 +329,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
     let stops: Arc<Mutex<Vec<Result<VcpuStop, VcpuError>>>> = Arc::default();
     for (id, vcpu) in vcpus.into_iter().enumerate() {
         let (pio, mmio, stops) = (pio.clone(), mmio.clone(), stops.clone());
+        let kvm = kvm.clone();
         let pauser = pauser.clone();
         let done = exit_evt.try_clone().map_err(RunError::EventFd)?;
         let p = policy.clone();
@@ -336,7 +338,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
             .stack_size(amvm_devices::THREAD_STACK_SIZE)
             .spawn(move || {
                 p.enter_vcpu();
-                let r = vcpu.run(&pio, &mmio, &pauser);
+                let r = vcpu.run(&kvm, &pio, &mmio, &pauser);
                 stops.lock().unwrap_or_else(|p| p.into_inner()).push(r);
                 let _ = done.0.write(1);
             })

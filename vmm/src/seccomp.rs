@@ -232,6 +232,28 @@ const KVM_RUN: u64 = 0xae80;
 const KVM_GET_REGS: u64 = 0x8090_ae81;
 const KVM_KVMCLOCK_CTRL: u64 = 0xaead;
 
+/// `_IOR(KVMIO, nr, T)` and `_IOWR(KVMIO, nr, T)` of <linux/ioctl.h>, from the struct's size.
+const fn kvm_ior<T>(nr: u64) -> u64 {
+    (2 << 30) | ((std::mem::size_of::<T>() as u64) << 16) | (0xae << 8) | nr
+}
+const fn kvm_iowr<T>(nr: u64) -> u64 {
+    (3 << 30) | ((std::mem::size_of::<T>() as u64) << 16) | (0xae << 8) | nr
+}
+
+/// What a parked vCPU reads to save its state for a snapshot (vcpu.rs `save_state`): reads
+/// only, of the vCPU's own state.
+const VCPU_SAVE_IOCTLS: &[u64] = &[
+    kvm_ior::<kvm_bindings::kvm_mp_state>(0x98),
+    kvm_ior::<kvm_bindings::kvm_sregs>(0x83),
+    kvm_ior::<kvm_bindings::kvm_xsave>(0xa4),
+    kvm_ior::<kvm_bindings::kvm_xcrs>(0xa6),
+    kvm_ior::<kvm_bindings::kvm_debugregs>(0xa1),
+    kvm_ior::<kvm_bindings::kvm_lapic_state>(0x8e),
+    kvm_iowr::<kvm_bindings::kvm_cpuid2>(0x91),
+    kvm_iowr::<kvm_bindings::kvm_msrs>(0x88),
+    kvm_ior::<kvm_bindings::kvm_vcpu_events>(0x9f),
+];
+
 fn cond(arg: u8, value: u64) -> Result<SeccompRule, seccompiler::BackendError> {
     SeccompRule::new(vec![SeccompCondition::new(
         arg,
@@ -286,12 +308,13 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
         ThreadKind::Vcpu => {
             map.insert(
                 libc::SYS_ioctl,
-                vec![
-                    cond(1, KVM_RUN)?,
-                    cond(1, KVM_GET_REGS)?,
-                    // A paused vCPU tells the guest's kvmclock it was stopped (vstate/pause.rs).
-                    cond(1, KVM_KVMCLOCK_CTRL)?,
-                ],
+                // KVM_RUN; the registers for a crash report; a parked vCPU tells the guest's
+                // kvmclock it was stopped, and reads its own state for a snapshot (pause.rs).
+                [KVM_RUN, KVM_GET_REGS, KVM_KVMCLOCK_CTRL]
+                    .iter()
+                    .chain(VCPU_SAVE_IOCTLS)
+                    .map(|&nr| cond(1, nr))
+                    .collect::<Result<Vec<_>, _>>()?,
             );
         }
         ThreadKind::EventLoop => {
@@ -642,6 +665,26 @@ extern "C" fn on_sigsys(_sig: libc::c_int, info: *mut libc::siginfo_t, _ctx: *mu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The request numbers computed from the structs' sizes are the kernel's (<linux/kvm.h>).
+    #[test]
+    fn vcpu_save_ioctl_numbers_are_the_kernels() {
+        assert_eq!(kvm_ior::<kvm_bindings::kvm_regs>(0x81), KVM_GET_REGS);
+        assert_eq!(
+            VCPU_SAVE_IOCTLS,
+            &[
+                0x8004_ae98, // KVM_GET_MP_STATE
+                0x8138_ae83, // KVM_GET_SREGS
+                0x9000_aea4, // KVM_GET_XSAVE
+                0x8188_aea6, // KVM_GET_XCRS
+                0x8080_aea1, // KVM_GET_DEBUGREGS
+                0x8400_ae8e, // KVM_GET_LAPIC
+                0xc008_ae91, // KVM_GET_CPUID2
+                0xc008_ae88, // KVM_GET_MSRS
+                0x8040_ae9f, // KVM_GET_VCPU_EVENTS
+            ]
+        );
+    }
 
     #[test]
     fn every_kind_compiles() {

@@ -27,7 +27,99 @@ const TOKEN_RX: u64 = 0;
 const TOKEN_TX: u64 = 1;
 const TOKEN_EVQ: u64 = 2;
 const TOKEN_KILL: u64 = 3;
+const TOKEN_HOLD: u64 = 4;
 const FIRST_CONN_TOKEN: u64 = 16;
+
+/// Stops the worker between two passes of its loop and lets it go again, for a snapshot: while
+/// held it touches neither guest memory nor the queues (the guest is paused too), so what it
+/// had done is all in guest memory. Host streams wait in their sockets meanwhile.
+#[derive(Debug, Clone)]
+pub struct WorkerHold {
+    inner: Arc<HoldInner>,
+}
+
+#[derive(Debug)]
+struct HoldInner {
+    /// (hold asked for, the worker is held)
+    state: std::sync::Mutex<(bool, bool)>,
+    changed: std::sync::Condvar,
+    wake: EventFd,
+    /// The worker has its queues (the device was activated); before that it touches nothing.
+    active: std::sync::atomic::AtomicBool,
+}
+
+impl WorkerHold {
+    fn new() -> io::Result<Self> {
+        Ok(WorkerHold {
+            inner: Arc::new(HoldInner {
+                state: std::sync::Mutex::new((false, false)),
+                changed: std::sync::Condvar::new(),
+                wake: EventFd::new(libc::EFD_NONBLOCK)?,
+                active: std::sync::atomic::AtomicBool::new(false),
+            }),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, (bool, bool)> {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Hold the worker; returns once it is held (at once if it never started), or fails after
+    /// `limit` (and lets it go).
+    pub fn hold(&self, limit: std::time::Duration) -> io::Result<()> {
+        if !self.inner.active.load(std::sync::atomic::Ordering::SeqCst) {
+            return Ok(());
+        }
+        let mut s = self.lock();
+        s.0 = true;
+        self.inner.wake.write(1)?;
+        let deadline = std::time::Instant::now() + limit;
+        while !s.1 {
+            let now = std::time::Instant::now();
+            if now >= deadline {
+                s.0 = false;
+                self.inner.changed.notify_all();
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the vsock worker did not stop within {limit:?}"),
+                ));
+            }
+            s = self
+                .inner
+                .changed
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    /// Let the worker go on.
+    pub fn release(&self) {
+        self.lock().0 = false;
+        self.inner.changed.notify_all();
+    }
+
+    /// The worker's side: if a hold is asked for, stay here until released.
+    fn wait_if_held(&self) {
+        let _ = self.inner.wake.read();
+        let mut s = self.lock();
+        if !s.0 {
+            return;
+        }
+        s.1 = true;
+        self.inner.changed.notify_all();
+        while s.0 {
+            s = self
+                .inner
+                .changed
+                .wait(s)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+        s.1 = false;
+        self.inner.changed.notify_all();
+    }
+}
 
 /// A virtio-vsock device for one guest CID, serving the ports its backend publishes.
 pub struct VsockDevice<B: Backend> {
@@ -42,6 +134,7 @@ pub struct VsockDevice<B: Backend> {
     /// A restored device (a snapshot's): on activation the guest is told every connection it
     /// had is gone (`VIRTIO_VSOCK_EVENT_TRANSPORT_RESET`); the host's ends did not survive.
     restored: bool,
+    hold: WorkerHold,
     _backend: std::marker::PhantomData<fn() -> B>,
 }
 
@@ -85,6 +178,8 @@ where
     ) -> io::Result<Self> {
         let kill = EventFd::new(libc::EFD_NONBLOCK)?;
         let worker_kill = kill.try_clone()?;
+        let hold = WorkerHold::new()?;
+        let worker_hold = hold.clone();
         let epoll = Epoll::new()?;
         let (activate, activation) = std::sync::mpsc::sync_channel::<Activation>(1);
         let worker = std::thread::Builder::new()
@@ -118,6 +213,7 @@ where
                     tx,
                     evq,
                     reset_pending: a.restored,
+                    hold: worker_hold,
                     rx_evt,
                     tx_evt,
                     evq_evt,
@@ -141,6 +237,7 @@ where
             activate: Some(activate),
             worker: Some(worker),
             restored: false,
+            hold,
             _backend: std::marker::PhantomData,
         })
     }
@@ -148,6 +245,11 @@ where
     /// This device continues a snapshot's: see [`VsockDevice::restored`]'s field.
     pub fn set_restored(&mut self) {
         self.restored = true;
+    }
+
+    /// What holds the worker for a snapshot.
+    pub fn hold(&self) -> WorkerHold {
+        self.hold.clone()
     }
 }
 
@@ -219,6 +321,10 @@ where
             .map_err(|_| {
                 ActivateError::Backend(io::Error::other("the vsock worker thread has stopped"))
             })?;
+        self.hold
+            .inner
+            .active
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(())
     }
 }
@@ -231,6 +337,7 @@ struct Worker<B: Backend> {
     evq: Queue,
     /// That reset is still to be sent (it waits for the driver's first event buffer).
     reset_pending: bool,
+    hold: WorkerHold,
     rx_evt: EventFd,
     tx_evt: EventFd,
     evq_evt: EventFd,
@@ -265,6 +372,7 @@ where
             (self.tx_evt.as_raw_fd(), TOKEN_TX),
             (self.evq_evt.as_raw_fd(), TOKEN_EVQ),
             (self.kill.as_raw_fd(), TOKEN_KILL),
+            (self.hold.inner.wake.as_raw_fd(), TOKEN_HOLD),
         ] {
             self.epoll.ctl(
                 ControlOperation::Add,
@@ -283,6 +391,7 @@ where
             for ev in &events[..n] {
                 match ev.data() {
                     TOKEN_KILL => return Ok(()),
+                    TOKEN_HOLD => self.hold.wait_if_held(),
                     TOKEN_RX | TOKEN_TX | TOKEN_EVQ => {
                         let evt = match ev.data() {
                             TOKEN_RX => &self.rx_evt,
@@ -591,6 +700,7 @@ mod tests {
             tx: queue(TX_BASE),
             evq: queue(EVQ_BASE),
             reset_pending: false,
+            hold: WorkerHold::new().unwrap(),
             rx_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             tx_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
             evq_evt: EventFd::new(libc::EFD_NONBLOCK).unwrap(),
@@ -668,6 +778,46 @@ mod tests {
             .write_slice(&hdr.to_bytes(), GuestAddress(buf))
             .unwrap();
         offer(w, TX_BASE, slot, i);
+    }
+
+    /// A held worker (a snapshot's) leaves the rings alone, whatever the guest queued and
+    /// kicked, until released; before activation a hold has nothing to wait for.
+    #[test]
+    fn a_held_worker_touches_no_ring_until_released() {
+        let w = worker(Arc::new(Counter::default()));
+        let mut dev = VsockDevice::new(GUEST_CID, NoPorts).unwrap();
+        let hold = dev.hold();
+        hold.hold(std::time::Duration::from_millis(10)).unwrap();
+        hold.release();
+        let evts: Vec<EventFd> = (0..3)
+            .map(|_| EventFd::new(libc::EFD_NONBLOCK).unwrap())
+            .collect();
+        let tx_kick = evts[1].try_clone().unwrap();
+        dev.activate(
+            w.mem.clone(),
+            vec![queue(RX_BASE), queue(TX_BASE), queue(EVQ_BASE)],
+            evts,
+            Arc::new(InterruptStatus::new(Arc::new(Counter::default()))),
+        )
+        .unwrap();
+        hold.hold(std::time::Duration::from_secs(5)).unwrap();
+        send_request(&w, 0, 0, 1234);
+        tx_kick.write(1).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert_eq!(
+            u16_at(&w, used_idx(TX_BASE)),
+            0,
+            "a held worker took a packet"
+        );
+        hold.release();
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while u16_at(&w, used_idx(TX_BASE)) == 0 {
+            assert!(
+                std::time::Instant::now() < until,
+                "the released worker did not go on"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
 
     /// A restored device tells the guest its connections are gone: the transport reset goes

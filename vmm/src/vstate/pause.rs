@@ -8,6 +8,7 @@
 //! pauser repeats the kick until every live vCPU has parked (Cloud Hypervisor's approach;
 //! Firecracker's sets `immediate_exit` from the handler instead).
 
+use super::vcpu::VcpuState;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,16 @@ pub enum PauseError {
         live: usize,
         waited: Duration,
     },
+    #[error("the vCPUs are not paused")]
+    NotPaused,
+    #[error("{answered} of {live} vCPUs saved their state within {waited:?}")]
+    SaveStuck {
+        answered: usize,
+        live: usize,
+        waited: Duration,
+    },
+    #[error("{0}")]
+    Save(String),
 }
 
 /// The real-time signal that interrupts a vCPU's KVM_RUN: the first one glibc leaves to
@@ -53,6 +64,10 @@ struct State {
     /// own before it ends, under the lock, so a kick never reaches a reused id).
     live: Vec<libc::pid_t>,
     parked: usize,
+    /// A request to every parked vCPU to save its state (a snapshot's): its number, and each
+    /// vCPU's answer by id.
+    save_round: u64,
+    saved: std::collections::BTreeMap<u8, Result<VcpuState, String>>,
 }
 
 /// Shared by the vCPU threads and whoever pauses them.
@@ -82,22 +97,69 @@ impl Pauser {
         self.changed.notify_all();
     }
 
-    /// Called by a vCPU thread between KVM_RUNs: returns at once unless a pause is asked for,
-    /// else parks until resumed. `on_park` runs once parked (KVM_KVMCLOCK_CTRL: the guest's
-    /// watchdogs are told the time it spends stopped is not a hang).
-    pub fn gate(&self, on_park: impl FnOnce()) {
+    /// Called by vCPU `id`'s thread between KVM_RUNs: returns at once unless a pause is asked
+    /// for, else parks until resumed. `on_park` runs once parked (KVM_KVMCLOCK_CTRL: the
+    /// guest's watchdogs are told the time it spends stopped is not a hang); `save` whenever
+    /// [`Pauser::save_states`] asks, while parked (the vCPU's own thread reads its state: it
+    /// owns the vCPU, and it is out of KVM_RUN).
+    pub fn gate(
+        &self,
+        id: u8,
+        on_park: impl FnOnce(),
+        mut save: impl FnMut() -> Result<VcpuState, String>,
+    ) {
         let mut s = self.lock();
         if !s.paused {
             return;
         }
         on_park();
         s.parked += 1;
+        let mut round = s.save_round;
         self.changed.notify_all();
         while s.paused {
+            if s.save_round != round {
+                round = s.save_round;
+                let state = save();
+                s.saved.insert(id, state);
+                self.changed.notify_all();
+                continue;
+            }
             s = self.changed.wait(s).unwrap_or_else(|p| p.into_inner());
         }
         s.parked -= 1;
         self.changed.notify_all();
+    }
+
+    /// Every live vCPU's state, saved by its own parked thread, in id order. The vCPUs must be
+    /// paused ([`Pauser::pause`]) and stay so.
+    pub fn save_states(&self, limit: Duration) -> Result<Vec<VcpuState>, PauseError> {
+        let start = Instant::now();
+        let mut s = self.lock();
+        if !s.paused || s.parked < s.live.len() {
+            return Err(PauseError::NotPaused);
+        }
+        s.save_round += 1;
+        s.saved.clear();
+        self.changed.notify_all();
+        while s.saved.len() < s.live.len() {
+            let waited = start.elapsed();
+            if waited >= limit {
+                return Err(PauseError::SaveStuck {
+                    answered: s.saved.len(),
+                    live: s.live.len(),
+                    waited,
+                });
+            }
+            s = self
+                .changed
+                .wait_timeout(s, limit - waited)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        std::mem::take(&mut s.saved)
+            .into_values()
+            .map(|r| r.map_err(PauseError::Save))
+            .collect()
     }
 
     /// Stop every vCPU; returns once each live one has parked, or fails after `limit` (the
@@ -166,7 +228,7 @@ mod tests {
             threads.push(std::thread::spawn(move || {
                 p.enter();
                 for _ in 0..400 {
-                    p.gate(|| {});
+                    p.gate(0, || {}, || Err("not asked".into()));
                     // Stands in for KVM_RUN: a blocking call the kick interrupts (EINTR).
                     // SAFETY: poll(2) of no descriptors: a 5 ms sleep.
                     unsafe { libc::poll(std::ptr::null_mut(), 0, 5) };

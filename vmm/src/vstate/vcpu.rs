@@ -330,22 +330,39 @@ impl Vcpu {
     /// Run the guest until it stops. Port I/O goes to `pio`, MMIO to `mmio` (where nothing
     /// answers, reads float to all ones and writes are dropped). Between KVM_RUNs the vCPU
     /// parks while `pauser` says so.
-    pub fn run(mut self, pio: &Bus, mmio: &Bus, pauser: &Pauser) -> Result<VcpuStop, VcpuError> {
+    pub fn run(
+        mut self,
+        kvm: &Kvm,
+        pio: &Bus,
+        mmio: &Bus,
+        pauser: &Pauser,
+    ) -> Result<VcpuStop, VcpuError> {
         pauser.enter();
-        let r = self.run_loop(pio, mmio, pauser);
+        let r = self.run_loop(kvm, pio, mmio, pauser);
         pauser.leave();
         r
     }
 
-    fn run_loop(&mut self, pio: &Bus, mmio: &Bus, pauser: &Pauser) -> Result<VcpuStop, VcpuError> {
+    fn run_loop(
+        &mut self,
+        kvm: &Kvm,
+        pio: &Bus,
+        mmio: &Bus,
+        pauser: &Pauser,
+    ) -> Result<VcpuStop, VcpuError> {
         let id = self.id;
         loop {
             // Parked: the guest's kvmclock is told it was stopped, so its soft-lockup and RCU
             // watchdogs do not take the pause for a hang (EINVAL before the guest enabled
-            // kvmclock: nothing to tell).
-            pauser.gate(|| {
-                let _ = self.fd.kvmclock_ctrl();
-            });
+            // kvmclock: nothing to tell). A snapshot has the parked thread save its state.
+            let fd = &self.fd;
+            pauser.gate(
+                id,
+                || {
+                    let _ = fd.kvmclock_ctrl();
+                },
+                || self.save_state(kvm).map_err(|e| e.to_string()),
+            );
             match self.fd.run() {
                 Ok(VcpuExit::IoIn(port, data)) => pio.read(port.into(), data),
                 Ok(VcpuExit::IoOut(port, data)) => pio.write(port.into(), data),
