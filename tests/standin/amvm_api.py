@@ -7,6 +7,8 @@
     amvm_api.py SOCKET put-archive DIR          (a tar on stdin, unpacked into DIR in the sandbox)
     amvm_api.py SOCKET get-archive PATH         (PATH in the sandbox, as a tar on stdout)
     amvm_api.py SOCKET pause|resume             (prints the sandbox's state after)
+    amvm_api.py SOCKET snapshot DIR [--stop]    (DIR new: its state and memory files go to the
+                                                sandbox with the request, as SCM_RIGHTS)
 
 With `amvm serve`'s socket (all of a user's sandboxes):
     amvm_api.py SOCKET create [--name NAME] -- FLAG...   (amvm create's flags; prints the sandbox)
@@ -155,6 +157,34 @@ def call(path, method, target, body=None):
     return answer
 
 
+def snapshot(path, directory, stop):
+    """POST /v1/snapshot with the two files it writes (state, memory) passed along with the
+    request's bytes (SCM_RIGHTS): the supervisor cannot open a path of ours."""
+    os.mkdir(directory, 0o700)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+    state = os.open(os.path.join(directory, "state"), flags, 0o600)
+    memory = os.open(os.path.join(directory, "memory"), flags, 0o600)
+    body = json.dumps({"stop": stop}).encode()
+    head = (f"POST {PREFIX}/snapshot HTTP/1.1\r\nHost: amvm\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    socket.send_fds(s, [head + body], [state, memory])
+    os.close(state)
+    os.close(memory)
+    answer = b""
+    while True:
+        b = s.recv(65536)
+        if not b:
+            break
+        answer += b
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split()[1])
+    if status != 200:
+        sys.exit(f"amvm_api: {status}: {json.loads(body)['error']}")
+    print(body.decode())
+
+
 def main():
     global PREFIX
     argv = sys.argv[1:]
@@ -189,6 +219,8 @@ def main():
         args = sys.argv[3:]
         with_stdin = bool(args) and args[0] == "--stdin"
         exec_(path, args[1:] if with_stdin else args, with_stdin)
+    elif what == "snapshot" and len(sys.argv) in (4, 5):
+        snapshot(path, sys.argv[3], sys.argv[4:] == ["--stop"])
     elif what in ("pause", "resume") and len(sys.argv) == 3:
         print(json.dumps(call(path, "POST", PREFIX + "/" + what)))
     elif what == "put-archive" and len(sys.argv) == 4:

@@ -109,7 +109,7 @@ impl RunError {
 
 /// How long the vCPUs have to leave KVM_RUN when paused (they take microseconds; a vCPU that
 /// does not is stuck in the host kernel, and the pause is refused).
-const PAUSE_LIMIT: Duration = Duration::from_secs(5);
+pub(crate) const PAUSE_LIMIT: Duration = Duration::from_secs(5);
 
 /// How long the workload has to exit after amvm forwards it a signal, before amvm tears the VM
 /// down itself (a second signal does that at once).
@@ -255,13 +255,13 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         policy.forget_thread();
         RunError::Vsock(e)
     })?;
-    let mut virtio_entries = vec![attach_virtio(
-        &vm,
-        &mem,
-        &mut mmio,
-        0,
-        Arc::new(Mutex::new(vsock)),
-    )?];
+    let vsock_hold = vsock.hold();
+    // Every transport (slot order: vsock, then the shares) and share, for a snapshot.
+    let mut transports = Vec::with_capacity(1 + cfg.shares.len());
+    let mut shares: Vec<(String, Arc<Mutex<VhostUserFs>>)> = Vec::with_capacity(cfg.shares.len());
+    let (entry, transport) = attach_virtio(&vm, &mem, &mut mmio, 0, Arc::new(Mutex::new(vsock)))?;
+    let mut virtio_entries = vec![entry];
+    transports.push(transport);
 
     // Guest memory contents: kernel, then the initramfs above it, then the boot tables.
     let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
@@ -277,13 +277,11 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
     for (i, ((tag, stream), backend)) in fs_streams.into_iter().zip(&mut backends).enumerate() {
         let dev = VhostUserFs::new(tag, stream).map_err(|e| backend.failure(e.to_string()))?;
         let slot = 1 + i as u64;
-        virtio_entries.push(attach_virtio(
-            &vm,
-            &mem,
-            &mut mmio,
-            slot,
-            Arc::new(Mutex::new(dev)),
-        )?);
+        let dev = Arc::new(Mutex::new(dev));
+        let (entry, transport) = attach_virtio(&vm, &mem, &mut mmio, slot, dev.clone())?;
+        virtio_entries.push(entry);
+        transports.push(transport);
+        shares.push((tag.to_string(), dev));
     }
     t.mark("virtio-fs handshakes done");
     // Nothing needs the host's tree any more: the kernel is loaded, /dev/kvm is open, and each
@@ -344,8 +342,22 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
             })
             .map_err(RunError::Thread)?;
     }
-    // vCPU threads keep using guest memory and the VM until the process exits.
-    std::mem::forget((vm, mem));
+    // vCPU threads keep using guest memory and the VM until the process exits (this thread
+    // returns without dropping them: `ManuallyDrop`); a snapshot reads both meanwhile.
+    let (vm, mem) = (
+        std::mem::ManuallyDrop::new(vm),
+        std::mem::ManuallyDrop::new(mem),
+    );
+    let machine = crate::snapshot::take::Machine {
+        vm: &vm,
+        mem: &mem,
+        pauser: &pauser,
+        transports: &transports,
+        shares: &shares,
+        vsock: &vsock_hold,
+        mem_mib: cfg.mem_mib,
+        cpus: cfg.cpus,
+    };
     // Last: this thread's filter, once every other thread has its own; then the vCPUs run.
     policy.seal()?;
     t.mark("vCPUs released (every thread filtered)");
@@ -367,17 +379,18 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
             Wake::Stopped => break,
             Wake::Control => {
                 let Some(c) = ctl.as_mut() else { continue };
-                let served = crate::vmmctl::serve_one(c, |req| match req {
+                let served = crate::vmmctl::serve_one(c, |req, fds| match req {
                     crate::vmmctl::Request::Pause => {
                         pauser.pause(PAUSE_LIMIT).map_err(|e| e.to_string())?;
                         tracing::debug!("vCPUs paused");
-                        Ok(())
+                        Ok(String::new())
                     }
                     crate::vmmctl::Request::Resume => {
                         pauser.resume();
                         tracing::debug!("vCPUs resumed");
-                        Ok(())
+                        Ok(String::new())
                     }
+                    crate::vmmctl::Request::Snapshot => machine.snapshot(fds),
                 });
                 if !matches!(served, Ok(true)) {
                     // The supervisor is gone (its death kills this process too): stop
@@ -503,7 +516,7 @@ fn attach_virtio(
     mmio: &mut Bus,
     slot: u64,
     device: Arc<Mutex<dyn amvm_devices::virtio::VirtioDevice>>,
-) -> Result<String, RunError> {
+) -> Result<(String, Arc<Mutex<MmioTransport>>), RunError> {
     let base = layout::VIRTIO_MMIO_START + slot * MmioTransport::mmio_len();
     let irq = layout::VIRTIO_IRQ_START + slot as u32;
     let line = EventFdTrigger::new().map_err(RunError::EventFd)?;
@@ -512,12 +525,9 @@ fn attach_virtio(
     for (index, evt) in transport.queue_evts().iter().enumerate() {
         vm.register_mmio_ioevent(evt, base + VIRTIO_MMIO_QUEUE_NOTIFY, index as u32)?;
     }
-    mmio.insert(
-        base,
-        MmioTransport::mmio_len(),
-        Arc::new(Mutex::new(transport)),
-    )?;
-    Ok(MmioTransport::cmdline_entry(base, irq))
+    let transport = Arc::new(Mutex::new(transport));
+    mmio.insert(base, MmioTransport::mmio_len(), transport.clone())?;
+    Ok((MmioTransport::cmdline_entry(base, irq), transport))
 }
 
 fn attach_uart<W: io::Write + Send + 'static>(

@@ -104,6 +104,17 @@ pub enum Command {
         #[arg(value_name = "SANDBOX")]
         sandbox: String,
     },
+    /// Write a sandbox's whole state (vCPUs, devices, its shares' server state, guest memory)
+    /// to DIR, a new directory; the sandbox goes on as it was (running or paused).
+    Snapshot {
+        /// End the sandbox once the snapshot is written.
+        #[arg(long)]
+        stop: bool,
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+        #[arg(value_name = "DIR")]
+        dir: PathBuf,
+    },
     /// Remove stopped sandboxes (with -f, running ones too: killed at once).
     Rm {
         /// Kill a running sandbox first.

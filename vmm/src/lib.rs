@@ -19,6 +19,7 @@ pub mod oci;
 pub mod output;
 pub mod overlay;
 pub mod sandbox;
+pub mod scm;
 pub mod seccomp;
 pub mod signals;
 pub mod snapshot;

@@ -129,6 +129,14 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }))
         }
+        Command::Snapshot { stop, sandbox, dir } => {
+            let r = amvm::sandbox::client::Sandbox::open(&sandbox)
+                .and_then(|sb| sb.snapshot(&dir, stop));
+            sandbox_result(r.map(|_| {
+                println!("{}", dir.display());
+                ExitCode::SUCCESS
+            }))
+        }
         Command::Wait { sandbox } => {
             let r = amvm::sandbox::client::Sandbox::open(&sandbox)
                 .and_then(|sb| sb.wait())

@@ -118,6 +118,22 @@ const VMM: &[i64] = &[
     // Reaping virtiofsd on the way out (Child::kill, then wait).
     libc::SYS_kill,
     libc::SYS_wait4,
+    // A snapshot (snapshot/take.rs): its two files arrive over the supervisor's channel
+    // (recvmsg); the shares' backends are asked for their state over vhost-user (sendmsg,
+    // recvmsg, a pipe); guest RAM is copied where it holds data (lseek's SEEK_DATA/SEEK_HOLE,
+    // copy_file_range, else pread/pwrite), the files sized and synced.
+    libc::SYS_recvmsg,
+    libc::SYS_sendmsg,
+    libc::SYS_pipe2,
+    libc::SYS_lseek,
+    libc::SYS_copy_file_range,
+    libc::SYS_pread64,
+    libc::SYS_pwrite64,
+    libc::SYS_ftruncate,
+    libc::SYS_fstat,
+    libc::SYS_statx,
+    libc::SYS_newfstatat,
+    libc::SYS_fsync,
 ];
 
 const VCPU: &[i64] = &[
@@ -242,6 +258,13 @@ const fn kvm_iowr<T>(nr: u64) -> u64 {
 
 /// What a parked vCPU reads to save its state for a snapshot (vcpu.rs `save_state`): reads
 /// only, of the vCPU's own state.
+/// What the VMM's main thread reads of the VM for a snapshot (vm.rs `save_state`).
+const VM_SAVE_IOCTLS: &[u64] = &[
+    kvm_ior::<kvm_bindings::kvm_pit_state2>(0x9f),
+    kvm_ior::<kvm_bindings::kvm_clock_data>(0x7c),
+    kvm_iowr::<kvm_bindings::kvm_irqchip>(0x62),
+];
+
 const VCPU_SAVE_IOCTLS: &[u64] = &[
     kvm_ior::<kvm_bindings::kvm_mp_state>(0x98),
     kvm_ior::<kvm_bindings::kvm_sregs>(0x83),
@@ -369,7 +392,16 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                 map.insert(libc::SYS_socket, vec![unix_stream_socket()?]);
             }
         }
-        ThreadKind::Vmm | ThreadKind::Helper => {}
+        ThreadKind::Vmm => {
+            map.insert(
+                libc::SYS_ioctl,
+                VM_SAVE_IOCTLS
+                    .iter()
+                    .map(|&nr| cond(1, nr))
+                    .collect::<Result<Vec<_>, _>>()?,
+            );
+        }
+        ThreadKind::Helper => {}
     }
     Ok(map)
 }
@@ -670,6 +702,14 @@ mod tests {
     #[test]
     fn vcpu_save_ioctl_numbers_are_the_kernels() {
         assert_eq!(kvm_ior::<kvm_bindings::kvm_regs>(0x81), KVM_GET_REGS);
+        assert_eq!(
+            VM_SAVE_IOCTLS,
+            &[
+                0x8070_ae9f, // KVM_GET_PIT2
+                0x8030_ae7c, // KVM_GET_CLOCK
+                0xc208_ae62, // KVM_GET_IRQCHIP
+            ]
+        );
         assert_eq!(
             VCPU_SAVE_IOCTLS,
             &[

@@ -82,8 +82,10 @@ pub struct VhostUserFs {
     device_state: bool,
     queue_sizes: [u16; NUM_QUEUES],
     active: bool,
-    /// The rings' kick fds, to start them again after a snapshot stopped them.
+    /// The rings' kick fds and the interrupt, to start them again after a snapshot stopped
+    /// them (GET_VRING_BASE drops the backend's kick and call fds).
     kicks: Vec<EventFd>,
+    interrupt: Option<Arc<InterruptStatus>>,
 }
 
 impl std::fmt::Debug for VhostUserFs {
@@ -134,6 +136,7 @@ impl VhostUserFs {
             queue_sizes: [QUEUE_SIZE; NUM_QUEUES],
             active: false,
             kicks: Vec::new(),
+            interrupt: None,
         })
     }
 
@@ -185,11 +188,21 @@ impl VhostUserFs {
         Ok(BackendState { ring_bases, blob })
     }
 
-    /// The guest goes on after a snapshot: each ring starts again where it stood.
+    /// The guest goes on after a snapshot: each ring starts again where it stood, with its
+    /// interrupt and kick fds given back (GET_VRING_BASE dropped both), and is kicked once in
+    /// case the driver queued something meanwhile.
     pub fn restart_rings(&mut self, ring_bases: &[u32]) -> Result<(), FsError> {
         if !self.active {
             return Ok(());
         }
+        let call = self
+            .interrupt
+            .as_ref()
+            .and_then(|i| i.backend_line())
+            .ok_or_else(|| FsError::Vhost {
+                step: "SET_VRING_CALL",
+                detail: "the interrupt line is not an event fd".into(),
+            })?;
         for (i, (&base, kick)) in ring_bases.iter().zip(&self.kicks).enumerate() {
             let base = u16::try_from(base).map_err(|_| FsError::Vhost {
                 step: "SET_VRING_BASE",
@@ -199,6 +212,9 @@ impl VhostUserFs {
                 .set_vring_base(i, base)
                 .map_err(vhost("SET_VRING_BASE"))?;
             self.frontend
+                .set_vring_call(i, call)
+                .map_err(vhost("SET_VRING_CALL"))?;
+            self.frontend
                 .set_vring_kick(i, kick)
                 .map_err(vhost("SET_VRING_KICK"))?;
             if self.protocol {
@@ -206,6 +222,7 @@ impl VhostUserFs {
                     .set_vring_enable(i, true)
                     .map_err(vhost("SET_VRING_ENABLE"))?;
             }
+            kick.write(1).map_err(FsError::StateIo)?;
         }
         Ok(())
     }
@@ -358,6 +375,7 @@ impl VirtioDevice for VhostUserFs {
         self.start(&mem, &queues, &queue_evts, call)
             .map_err(|e| ActivateError::Backend(io::Error::other(e.to_string())))?;
         self.kicks = queue_evts;
+        self.interrupt = Some(interrupt);
         self.active = true;
         Ok(())
     }

@@ -26,7 +26,7 @@ pub mod mmio;
 #[cfg(test)]
 pub(crate) mod test_utils;
 
-pub use mmio::{MmioError, MmioTransport};
+pub use mmio::{MmioError, MmioState, MmioTransport, QueueConfig};
 
 // --- The MMIO register layout, version 2 ("modern"): include/uapi/linux/virtio_mmio.h ---------
 // Every register below 0x100 is 32 bits wide and must be accessed as an aligned 32-bit word.

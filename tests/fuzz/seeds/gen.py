@@ -349,11 +349,19 @@ def snapshot_state():
     vcpu = {"id": 0, "cpuid": [zeros(40)], "mp_state": zeros(4), "regs": zeros(144),
             "sregs": zeros(312), "xsave": zeros(64), "xcrs": zeros(392), "debugregs": zeros(128),
             "lapic": zeros(64), "msrs": [zeros(16)], "events": zeros(64)}
-    body = json.dumps({"meta": {"amvm": "0.1.0", "kernel_sha256": "0", "mem_mib": 256, "cpus": 1,
-                                "created": 0},
+    transport = {"device_type": 19, "status": 15, "device_features_sel": 0, "driver_features_sel": 0,
+                 "driver_features": 1 << 32, "acked_beyond_64": False, "queue_sel": 0,
+                 "activated": True, "interrupt_status": 0, "config_generation": 0,
+                 "queues": [{"size": 128, "ready": True, "desc_table": 0x1000, "avail_ring": 0x2000,
+                             "used_ring": 0x3000}]}
+    fs = dict(transport, device_type=26)
+    body = json.dumps({"meta": {"amvm": "0.1.0", "mem_mib": 256, "cpus": 1, "created": 0},
                        "vm": {"pit": zeros(112), "clock": zeros(48), "pic_master": zeros(64),
                               "pic_slave": zeros(64), "ioapic": zeros(64)},
-                       "vcpus": [vcpu]}, separators=(",", ":")).encode()
+                       "vcpus": [vcpu],
+                       "devices": {"transports": [transport, fs],
+                                   "shares": [["system", {"ring_bases": [0, 3], "blob": [1, 2, 3]}]]}},
+                      separators=(",", ":")).encode()
     head = b"AMVMSNAP" + u32(1) + u64(len(body)) + hashlib.sha256(body).digest()
     return {"file": u8(0) + head + body, "body": u8(1) + body,
             "other_version": u8(0) + b"AMVMSNAP" + u32(2) + head[12:] + body}

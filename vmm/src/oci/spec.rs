@@ -315,6 +315,7 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         overlay_scratch: None,
         overlay_size: None,
         idle_timeout_seconds: None,
+        kernel: None,
         user: format!("{uid}:{gid}"),
         workdir: cwd,
         env: env.clone(),

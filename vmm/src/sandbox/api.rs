@@ -128,6 +128,26 @@ fn default_grace() -> u32 {
     10
 }
 
+/// `POST /v1/snapshot` (its two files come with the request: SCM_RIGHTS).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct SnapshotRequest {
+    /// End the sandbox once the snapshot is written.
+    #[serde(default)]
+    pub stop: bool,
+}
+
+/// Its answer.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SnapshotAnswer {
+    /// Bytes of the state file, of guest RAM, and of guest RAM actually written (the rest are
+    /// holes).
+    pub state_bytes: u64,
+    pub memory_bytes: u64,
+    pub memory_written: u64,
+    /// The sandbox after: running, paused (as it was), or stopped (`stop`).
+    pub sandbox: super::Info,
+}
+
 /// Every error body.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ErrorBody {

@@ -15,7 +15,7 @@ use super::{Info, SandboxError};
 use guest_init::protocol::{encode_chunks, encode_frame, Direction, Frame, FrameKind, FrameParser};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 /// One sandbox, by id.
@@ -226,6 +226,89 @@ impl Sandbox {
         self.json(&body)
     }
 
+    /// Snapshot it into `dir`, a new directory (0700) holding `state` and `memory` (0600, the
+    /// memory file sparse: untouched guest RAM takes no disk) and `sandbox.json` (what it was
+    /// made with, and its kernel's SHA-256). The sandbox goes on as it was, or ends with
+    /// `stop`. On failure nothing is left of `dir`.
+    pub fn snapshot(&self, dir: &Path, stop: bool) -> Result<api::SnapshotAnswer, SandboxError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let info = super::read_state(&self.dir)?;
+        if !info.live() {
+            return Err(SandboxError::NotRunning(self.shown.clone(), info.state));
+        }
+        let bad = |what: String| SandboxError::Snapshot(what);
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::AlreadyExists => bad(format!(
+                    "{} exists: a snapshot goes into a new directory",
+                    dir.display()
+                )),
+                _ => bad(format!("{}: {e}", dir.display())),
+            })?;
+        let r = self.snapshot_into(dir, &info, stop);
+        if r.is_err() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+        r
+    }
+
+    fn snapshot_into(
+        &self,
+        dir: &Path,
+        info: &Info,
+        stop: bool,
+    ) -> Result<api::SnapshotAnswer, SandboxError> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = |name: &str| {
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(dir.join(name))
+                .map_err(|e| SandboxError::Snapshot(format!("{}: {e}", dir.join(name).display())))
+        };
+        let (state, memory) = (file("state")?, file("memory")?);
+        let kernel_sha256 = match &info.config.kernel {
+            Some(k) => Some(sha256_of(k).map_err(|e| {
+                SandboxError::Snapshot(format!("the guest kernel {}: {e}", k.display()))
+            })?),
+            None => None,
+        };
+        let described = serde_json::json!({
+            "amvm": env!("CARGO_PKG_VERSION"),
+            "kernel_sha256": kernel_sha256,
+            "sandbox": info,
+        });
+        file("sandbox.json")?
+            .write_all(&serde_json::to_vec_pretty(&described).expect("serializable"))
+            .map_err(|e| SandboxError::Snapshot(format!("{}: {e}", dir.display())))?;
+        let body = serde_json::to_vec(&api::SnapshotRequest { stop }).expect("serializable");
+        let head = format!(
+            "POST /v1/snapshot HTTP/1.1\r\nHost: amvm\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            body.len()
+        );
+        let mut sock = self.connect()?;
+        let io = |e| SandboxError::Io(format!("sandbox {}", self.id), e);
+        let sent = crate::scm::send_with_fds(
+            sock.as_raw_fd(),
+            head.as_bytes(),
+            &[state.as_raw_fd(), memory.as_raw_fd()],
+        )
+        .map_err(io)?;
+        sock.write_all(&head.as_bytes()[sent..]).map_err(io)?;
+        sock.write_all(&body).map_err(io)?;
+        let (code, head, rest) = self.read_head(&mut sock)?;
+        let body = self.read_body(&mut sock, &head, rest)?;
+        if code != 200 {
+            return Err(self.api_error(code, &body));
+        }
+        self.json(&body)
+    }
+
     /// A sandbox whose supervisor is gone is said to be so, not "connection refused".
     fn must_be_up(&self) -> Result<(), SandboxError> {
         let state = super::read_state(&self.dir)?;
@@ -320,6 +403,7 @@ impl Sandbox {
     }
 
     fn connect(&self) -> Result<UnixStream, SandboxError> {
+        // (A snapshot's files travel on this socket too: see `snapshot_into`.)
         let path = self.dir.join("api.sock");
         UnixStream::connect(&path).map_err(|e| SandboxError::Io(format!("sandbox {}", self.id), e))
     }
@@ -414,4 +498,20 @@ impl Sandbox {
         body.truncate(len);
         Ok(body)
     }
+}
+
+/// The SHA-256 of the file at `path`, hex.
+pub fn sha256_of(path: &Path) -> std::io::Result<String> {
+    use sha2::{Digest, Sha256};
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }

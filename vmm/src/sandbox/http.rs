@@ -15,7 +15,18 @@ pub type Refusal = (u16, String);
 pub async fn read_head(
     conn: &mut UnixStream,
 ) -> Result<Option<Result<(api::Head, Vec<u8>), Refusal>>, String> {
+    Ok(read_head_with_fds(conn)
+        .await?
+        .map(|r| r.map(|(head, rest, _fds)| (head, rest))))
+}
+
+/// [`read_head`], and the descriptors that came with the head's bytes (SCM_RIGHTS: `POST
+/// /v1/snapshot`'s files; at most `scm::MAX_FDS`, close-on-exec).
+pub async fn read_head_with_fds(
+    conn: &mut UnixStream,
+) -> Result<Option<Result<(api::Head, Vec<u8>, Vec<std::os::fd::OwnedFd>), Refusal>>, String> {
     let mut buf = Vec::with_capacity(4096);
+    let mut fds = Vec::new();
     let end = loop {
         if let Some(end) = api::head_end(&buf) {
             break end;
@@ -24,16 +35,31 @@ pub async fn read_head(
             return Ok(Some(Err((413, "the request head is too large".into()))));
         }
         let mut chunk = [0u8; 4096];
-        let n = conn.read(&mut chunk).await.map_err(|e| e.to_string())?;
+        let n = loop {
+            conn.readable().await.map_err(|e| e.to_string())?;
+            match conn.try_io(tokio::io::Interest::READABLE, || {
+                crate::scm::recv(&*conn, &mut chunk)
+            }) {
+                Ok((n, more)) => {
+                    fds.extend(more);
+                    break n;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e.to_string()),
+            }
+        };
         if n == 0 {
             return Ok(None);
+        }
+        if fds.len() > crate::scm::MAX_FDS {
+            return Ok(Some(Err((400, "too many descriptors".into()))));
         }
         buf.extend_from_slice(&chunk[..n]);
     };
     let rest = buf.split_off(end);
     Ok(Some(
         api::parse_head(&buf)
-            .map(|h| (h, rest))
+            .map(|h| (h, rest, fds))
             .map_err(|e| (400, e)),
     ))
 }

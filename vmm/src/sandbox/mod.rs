@@ -40,6 +40,8 @@ pub enum SandboxError {
     Running(String),
     #[error("sandbox {0} is paused: `amvm resume {0}` first")]
     Paused(String),
+    #[error("snapshot: {0}")]
+    Snapshot(String),
     #[error("{0}: {1}")]
     Io(String, io::Error),
     #[error("sandbox {0}: the API answered {1}: {2}")]
@@ -144,6 +146,9 @@ pub struct Config {
     /// Stopped once no exec has run for this long (`--idle-timeout`).
     #[serde(default)]
     pub idle_timeout_seconds: Option<u64>,
+    /// The guest kernel it booted (a snapshot records its SHA-256; a restore needs the same).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<PathBuf>,
     /// The execs' defaults.
     pub user: String,
     pub workdir: String,

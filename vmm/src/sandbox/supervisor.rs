@@ -108,6 +108,7 @@ pub(crate) fn check(
         overlay_scratch: None,
         overlay_size: None,
         idle_timeout_seconds: args.idle_timeout,
+        kernel: None,
         user: args.vm.user.clone(),
         workdir: String::new(),
         env: args.vm.env.clone(),
@@ -176,6 +177,7 @@ pub fn create_from(
         run: tied,
         config: Config {
             workdir: String::from_utf8_lossy(&cfg.spec.cwd).into_owned(),
+            kernel: Some(cfg.kernel.clone()),
             ..config
         },
     };
@@ -854,7 +856,7 @@ async fn control_stream(
 
 /// Serve one API request.
 async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), String> {
-    let (head, rest) = match http::read_head(&mut conn).await? {
+    let (head, rest, fds) = match http::read_head_with_fds(&mut conn).await? {
         Some(Ok(h)) => h,
         Some(Err((code, e))) => return reply_error(&mut conn, code, &e).await,
         None => return Ok(()),
@@ -908,6 +910,16 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
             let _ = ended.wait_for(|e| *e).await;
             reply_json(&mut conn, 200, &sup.snapshot()).await
         }
+        ("POST", "/v1/snapshot") => {
+            let req: api::SnapshotRequest = match parse_body(&body) {
+                Ok(r) => r,
+                Err(e) => return reply_error(&mut conn, 400, &e).await,
+            };
+            match snapshot(sup, fds, req.stop).await {
+                Ok(answer) => reply_json(&mut conn, 200, &answer).await,
+                Err((code, e)) => reply_error(&mut conn, code, &e).await,
+            }
+        }
         ("POST", "/v1/pause") => match pause(sup).await {
             Ok(info) => reply_json(&mut conn, 200, &info).await,
             Err((code, e)) => reply_error(&mut conn, code, &e).await,
@@ -930,9 +942,11 @@ async fn api_connection(sup: &Arc<Sup>, mut conn: UnixStream) -> Result<(), Stri
             }
             exec(sup, conn, req, leftover).await
         }
-        (_, "/v1/sandbox" | "/v1/wait" | "/v1/stop" | "/v1/exec" | "/v1/pause" | "/v1/resume") => {
-            reply_error(&mut conn, 405, &format!("{method} {path}: wrong method")).await
-        }
+        (
+            _,
+            "/v1/sandbox" | "/v1/wait" | "/v1/stop" | "/v1/exec" | "/v1/pause" | "/v1/resume"
+            | "/v1/snapshot",
+        ) => reply_error(&mut conn, 405, &format!("{method} {path}: wrong method")).await,
         _ => reply_error(&mut conn, 404, &format!("no such endpoint {path}")).await,
     }
 }
@@ -951,7 +965,8 @@ fn stop(sup: &Arc<Sup>, grace: u32) {
         // A paused guest reads its Shutdown once its vCPUs run again.
         if was_paused {
             let mut ctl = s.vmm_ctl.lock().await;
-            if let Err(e) = crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume).await {
+            if let Err(e) = crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume, &[]).await
+            {
                 tracing::warn!("resuming the paused guest to stop it: {e}");
             }
         }
@@ -986,15 +1001,79 @@ async fn pause(sup: &Arc<Sup>) -> Result<Info, (u16, String)> {
             ))
         }
     }
-    crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Pause)
+    crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Pause, &[])
         .await
         .map_err(|e| (500, format!("pausing sandbox {}: {e}", info.id)))?;
     // A stop that came meanwhile (it waited for nothing) wins: let the guest read it.
     if sup.stopping.load(Ordering::SeqCst) {
-        let _ = crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume).await;
+        let _ = crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume, &[]).await;
         return Err((409, format!("sandbox {} is stopping", info.id)));
     }
     Ok(sup.update(|i| i.state = "paused".into()))
+}
+
+/// `amvm snapshot`: the VMM writes the machine's state and guest RAM to the two files the
+/// request brought (state, memory); the sandbox goes on as it was (running or paused), or,
+/// with `stop`, ends.
+async fn snapshot(
+    sup: &Arc<Sup>,
+    fds: Vec<OwnedFd>,
+    stop: bool,
+) -> Result<api::SnapshotAnswer, (u16, String)> {
+    if fds.len() != 2 {
+        return Err((
+            400,
+            format!(
+                "a snapshot needs its two files sent with the request (SCM_RIGHTS: the state \
+                 file, then the memory file; amvm snapshot does this); {} came",
+                fds.len()
+            ),
+        ));
+    }
+    let mut ctl = sup.vmm_ctl.lock().await;
+    let info = sup.snapshot();
+    if !matches!(info.state.as_str(), "running" | "paused") {
+        return Err((
+            409,
+            format!(
+                "sandbox {} is {}: only a running or paused sandbox can be snapshotted",
+                info.id, info.state
+            ),
+        ));
+    }
+    let raw: Vec<_> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+    let summary = crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Snapshot, &raw)
+        .await
+        .map_err(|e| (500, format!("snapshot of sandbox {}: {e}", info.id)))?;
+    drop(fds);
+    #[derive(serde::Deserialize)]
+    struct Summary {
+        state_bytes: u64,
+        memory_bytes: u64,
+        memory_written: u64,
+    }
+    let s: Summary = serde_json::from_str(&summary)
+        .map_err(|e| (500, format!("the VMM's answer {summary:?}: {e}")))?;
+    let sandbox = if stop {
+        sup.stopping.store(true, Ordering::SeqCst);
+        *lock(&sup.stop_reason) = Some("stopped by amvm snapshot --stop".into());
+        sup.update(|i| i.state = "stopping".into());
+        // The snapshot holds the guest: nothing of it needs to end gracefully.
+        // SAFETY: kill(2) of our own child.
+        unsafe { libc::kill(sup.vmm, libc::SIGKILL) };
+        drop(ctl);
+        let mut ended = sup.ended.subscribe();
+        let _ = ended.wait_for(|e| *e).await;
+        sup.snapshot()
+    } else {
+        sup.snapshot()
+    };
+    Ok(api::SnapshotAnswer {
+        state_bytes: s.state_bytes,
+        memory_bytes: s.memory_bytes,
+        memory_written: s.memory_written,
+        sandbox,
+    })
 }
 
 /// `amvm resume`: the vCPUs run again. Resuming a running sandbox changes nothing.
@@ -1014,7 +1093,7 @@ async fn resume(sup: &Arc<Sup>) -> Result<Info, (u16, String)> {
             ))
         }
     }
-    crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume)
+    crate::vmmctl::ask(&mut ctl, crate::vmmctl::Request::Resume, &[])
         .await
         .map_err(|e| (500, format!("resuming sandbox {}: {e}", info.id)))?;
     *lock(&sup.last_active) = std::time::Instant::now();

@@ -6,57 +6,61 @@
 //! devices' state and guest memory come next; see docs/DESIGN.md "Snapshots".
 
 pub mod format;
+pub mod take;
 
 use crate::vstate::vcpu::VcpuState;
 use crate::vstate::vm::VmState;
 use serde::{Deserialize, Serialize};
 
-/// What a restore checks before anything runs.
+/// What a restore checks before anything runs (the guest kernel is checked by `amvm create
+/// --from`, which reads the snapshot's `sandbox.json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Meta {
     /// `CARGO_PKG_VERSION` of the amvm that wrote it: another amvm's snapshot is refused.
     pub amvm: String,
-    /// SHA-256 of the guest kernel image it booted, hex.
-    pub kernel_sha256: String,
     pub mem_mib: u64,
     pub cpus: u8,
     /// Seconds since the epoch.
     pub created: u64,
 }
 
-/// The machine's state: the VM's, then each vCPU's in id order.
+/// The machine's state: the VM's, each vCPU's in id order, and the devices'.
 #[derive(Debug, Serialize, Deserialize)]
 pub struct MachineState {
     pub meta: Meta,
     pub vm: VmState,
     pub vcpus: Vec<VcpuState>,
+    pub devices: DevicesState,
+}
+
+/// The devices' part.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct DevicesState {
+    /// Each virtio-mmio transport, in slot order (the vsock device's, then each share's).
+    pub transports: Vec<amvm_devices::virtio::MmioState>,
+    /// Each share's mount tag and its backend's (virtiofsd's) state, in slot order.
+    pub shares: Vec<(String, amvm_devices::virtio::fs::BackendState)>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum MismatchError {
     #[error("it was written by amvm {0}; this is amvm {1}")]
     Amvm(String, String),
-    #[error("its guest kernel differs from this one (sha256 {0}, here {1})")]
-    Kernel(String, String),
     #[error("it holds {0} vCPU states for {1} vCPUs")]
     VcpuCount(usize, u8),
     #[error("vCPU state {0} is for vCPU {1}")]
     VcpuOrder(usize, u8),
+    #[error("it holds {0} device states for {1} shares")]
+    DeviceCount(usize, usize),
 }
 
 impl MachineState {
-    /// Whether this amvm, with this kernel, can restore it (CPU features are compared per vCPU
-    /// when they are restored).
-    pub fn check(&self, kernel_sha256: &str) -> Result<(), MismatchError> {
+    /// Whether this amvm can restore it (CPU features are compared per vCPU when they are
+    /// restored).
+    pub fn check(&self) -> Result<(), MismatchError> {
         let here = env!("CARGO_PKG_VERSION");
         if self.meta.amvm != here {
             return Err(MismatchError::Amvm(self.meta.amvm.clone(), here.into()));
-        }
-        if self.meta.kernel_sha256 != kernel_sha256 {
-            return Err(MismatchError::Kernel(
-                self.meta.kernel_sha256.clone(),
-                kernel_sha256.into(),
-            ));
         }
         if self.vcpus.len() != usize::from(self.meta.cpus) {
             return Err(MismatchError::VcpuCount(self.vcpus.len(), self.meta.cpus));
@@ -65,6 +69,13 @@ impl MachineState {
             if usize::from(v.id) != i {
                 return Err(MismatchError::VcpuOrder(i, v.id));
             }
+        }
+        let d = &self.devices;
+        if d.transports.len() != d.shares.len() + 1 {
+            return Err(MismatchError::DeviceCount(
+                d.transports.len(),
+                d.shares.len(),
+            ));
         }
         Ok(())
     }
@@ -81,16 +92,15 @@ mod tests {
         let file = include_bytes!("../../../tests/fuzz/seeds/snapshot_state/file");
         let state: MachineState = format::decode(&file[1..]).unwrap();
         assert_eq!((state.meta.cpus, state.vcpus.len()), (1, 1));
-        assert_eq!(
-            state.check("another"),
-            Err(MismatchError::Kernel("0".into(), "another".into()))
-        );
-        assert_eq!(state.check("0"), Ok(()));
+        assert_eq!(state.check(), Ok(()));
         let mut other = state;
         other.meta.amvm = "0.0.9".into();
-        assert!(matches!(other.check("0"), Err(MismatchError::Amvm(..))));
+        assert!(matches!(other.check(), Err(MismatchError::Amvm(..))));
         other.meta.amvm = env!("CARGO_PKG_VERSION").into();
         other.meta.cpus = 2;
-        assert_eq!(other.check("0"), Err(MismatchError::VcpuCount(1, 2)));
+        assert_eq!(other.check(), Err(MismatchError::VcpuCount(1, 2)));
+        other.meta.cpus = 1;
+        other.devices.transports.clear();
+        assert_eq!(other.check(), Err(MismatchError::DeviceCount(0, 1)));
     }
 }
