@@ -12,7 +12,10 @@ Rows, each a median over RUNS (a fresh sandbox per run):
 * pause + resume, EXECS round trips on the API socket (`POST /v1/pause`, `POST /v1/resume`: the
   supervisor asks its VMM, every vCPU kicked out of KVM_RUN and parked, then let go), and the
   same through the CLI (`amvm pause`, `amvm resume`: two processes);
-* the VMM's CPU time over 2 s of an idle guest, running and paused.
+* the VMM's CPU time over 2 s of an idle guest, running and paused;
+* `amvm snapshot ID DIR` of the idle sandbox (wall clock, the CLI's), and what it wrote: the
+  state file and the memory file's allocated size (it is sparse: guest RAM never touched is a
+  hole), against the guest RAM.
 """
 import argparse, json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
 
@@ -76,6 +79,7 @@ def main():
     run = lambda *args, **kw: subprocess.run([a.amvm, *args], env=env, capture_output=True, text=True, **kw)
     execs, runs, inside, mem = [], [], [], []
     api_pr, cli_pr, cpu_run, cpu_paused = [], [], [], []
+    snap_s, snap_state, snap_mem = [], [], []
     try:
         for _ in range(a.runs):
             p = run("create", "--mem", str(a.mem), "--timeout", "3600")
@@ -115,6 +119,13 @@ def main():
                 into.append((cpu_s(vmm) - c0) / 2)
                 if paused:
                     post(api, "/v1/resume")
+            snap = os.path.join(xdg, "snapshot")
+            t0 = time.monotonic()
+            run("snapshot", sid, snap, check=True)
+            snap_s.append(time.monotonic() - t0)
+            snap_state.append(os.stat(os.path.join(snap, "state")).st_size / 1024)
+            snap_mem.append(os.stat(os.path.join(snap, "memory")).st_blocks * 512 / (1 << 20))
+            shutil.rmtree(snap)
             run("rm", "-f", sid, check=True)
             t0 = time.monotonic()
             p = subprocess.run([a.amvm, "run", "--mem", str(a.mem), "--", "true"], capture_output=True, text=True)
@@ -135,6 +146,10 @@ def main():
         pct = lambda xs: f"{statistics.median(xs) * 100:9.1f} ({min(xs) * 100:.1f}-{max(xs) * 100:.1f})"
         print(f"{'VMM CPU, idle guest running, % of a core':44} {pct(cpu_run):>24}")
         print(f"{'VMM CPU, paused, % of a core':44} {pct(cpu_paused):>24}")
+        print(f"{'amvm snapshot (idle sandbox), ms':44} {ms(snap_s):>24}")
+        kib = lambda xs: f"{statistics.median(xs):9.1f} ({min(xs):.1f}-{max(xs):.1f})"
+        print(f"{'snapshot state file, KiB':44} {kib(snap_state):>24}")
+        print(f"{'snapshot memory file on disk, MiB':44} {kib(snap_mem):>24}")
         print(f"exec vs a fresh VM: {r / e:.1f}x faster; exec vs an in-guest spawn: {e / i:.1f}x; "
               f"idle PSS is {m / a.mem * 100:.1f}% of the {a.mem} MiB guest")
         print(f"SUMMARY|sandbox: amvm exec -- true|{e * 1e3:.1f} ms|{r * 1e3:.1f} ms (amvm run -- true)|{e / r:.2f}|")
@@ -142,6 +157,8 @@ def main():
         print(f"SUMMARY|sandbox: idle host PSS|{m:.1f} MiB|{a.mem} MiB (guest RAM)|{m / a.mem:.3f}|")
         pr = statistics.median(api_pr)
         print(f"SUMMARY|sandbox: pause + resume (API)|{pr * 1e3:.1f} ms|{e * 1e3:.1f} ms (amvm exec -- true)|{pr / e:.2f}|")
+        sm = statistics.median(snap_mem)
+        print(f"SUMMARY|sandbox: snapshot memory on disk|{sm:.1f} MiB|{a.mem} MiB (guest RAM)|{sm / a.mem:.3f}|")
         return 0
     finally:
         for d in os.listdir(os.path.join(xdg, "amvm")) if os.path.isdir(os.path.join(xdg, "amvm")) else []:
