@@ -358,7 +358,19 @@ fn a_snapshot_writes_the_whole_sandbox_to_a_new_private_directory_and_it_goes_on
     use amvm::snapshot::{format, MachineState};
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let w = World::new("snapshots", "write");
-    let id = w.create(&["--name", "sn", "--mem", "256", "--cpus", "2"]);
+    let ws = w.xdg.join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("in-workspace"), "from the host\n").unwrap();
+    let id = w.create(&[
+        "--name",
+        "sn",
+        "--mem",
+        "256",
+        "--cpus",
+        "2",
+        "--workspace",
+        ws.to_str().unwrap(),
+    ]);
     let o = w.exec("sn", &["sh", "-c", "echo kept > /tmp/f"]);
     assert_eq!(o.code, 0, "{}", o.stderr);
 
@@ -385,13 +397,14 @@ fn a_snapshot_writes_the_whole_sandbox_to_a_new_private_directory_and_it_goes_on
     assert_eq!((state.meta.cpus, state.vcpus.len()), (2, 2));
     assert_eq!(
         state.devices.transports.len(),
-        2,
-        "vsock and the system share"
+        3,
+        "vsock, the system and the workspace shares"
     );
     assert!(state.devices.transports.iter().all(|t| t.activated));
-    assert_eq!(state.devices.shares[0].0, "system");
+    let tags: Vec<&str> = state.devices.shares.iter().map(|s| s.0.as_str()).collect();
+    assert_eq!(tags, ["system", "workspace"]);
     assert!(
-        !state.devices.shares[0].1.blob.is_empty(),
+        state.devices.shares.iter().all(|s| !s.1.blob.is_empty()),
         "virtiofsd's state"
     );
     let described: serde_json::Value =
@@ -399,12 +412,19 @@ fn a_snapshot_writes_the_whole_sandbox_to_a_new_private_directory_and_it_goes_on
     assert_eq!(described["sandbox"]["id"], id.as_str());
     assert_eq!(described["kernel_sha256"].as_str().map(str::len), Some(64));
 
-    // It went on: execs (vsock), the guest's files, the system share (virtiofsd's rings were
+    // It went on: execs (vsock), the guest's files, both shares (their virtiofsd's rings were
     // stopped for the snapshot and started again).
-    let o = w.exec("sn", &["sh", "-c", "cat /tmp/f; ls /usr/bin | grep -cx sh"]);
+    let o = w.exec(
+        "sn",
+        &[
+            "sh",
+            "-c",
+            "cat /tmp/f /workspace/in-workspace; ls /usr/bin | grep -cx sh",
+        ],
+    );
     assert_eq!(
         (o.code, o.stdout_str()),
-        (0, "kept\n1\n".into()),
+        (0, "kept\nfrom the host\n1\n".into()),
         "{}",
         o.stderr
     );
