@@ -160,20 +160,8 @@ impl VhostUserFs {
             }
         }
         let (read_end, write_end) = pipe().map_err(FsError::StateIo)?;
-        let theirs = self
-            .frontend
-            .set_device_state_fd(
-                VhostTransferStateDirection::SAVE,
-                VhostTransferStatePhase::STOPPED,
-                write_end,
-            )
-            .map_err(vhost("SET_DEVICE_STATE_FD (save)"))?;
-        // The backend writes in a thread of its own and closes its end when done: read to EOF,
-        // from the descriptor it gave back if it gave one.
-        let mut from: std::fs::File = match theirs {
-            Some(f) => f,
-            None => std::fs::File::from(read_end),
-        };
+        // The backend writes in a thread of its own and closes its end when done: read to EOF.
+        let mut from = self.transfer(VhostTransferStateDirection::SAVE, write_end, read_end)?;
         let mut blob = Vec::new();
         (&mut from)
             .take(MAX_BACKEND_STATE + 1)
@@ -186,6 +174,21 @@ impl VhostUserFs {
             .check_device_state()
             .map_err(vhost("CHECK_DEVICE_STATE (save)"))?;
         Ok(BackendState { ring_bases, blob })
+    }
+
+    /// SET_DEVICE_STATE_FD: `give` (one end of a pipe) to the backend; the descriptor to move
+    /// the state through: the one the backend gave back, if it gave one, else `keep`.
+    fn transfer(
+        &self,
+        direction: VhostTransferStateDirection,
+        give: std::os::fd::OwnedFd,
+        keep: std::os::fd::OwnedFd,
+    ) -> Result<std::fs::File, FsError> {
+        let theirs = self
+            .frontend
+            .set_device_state_fd(direction, VhostTransferStatePhase::STOPPED, give)
+            .map_err(vhost("SET_DEVICE_STATE_FD"))?;
+        Ok(theirs.unwrap_or_else(|| std::fs::File::from(keep)))
     }
 
     /// The guest goes on after a snapshot: each ring starts again where it stood, with its
@@ -208,20 +211,7 @@ impl VhostUserFs {
                 step: "SET_VRING_BASE",
                 detail: format!("ring {i}: base {base} is not a ring index"),
             })?;
-            self.frontend
-                .set_vring_base(i, base)
-                .map_err(vhost("SET_VRING_BASE"))?;
-            self.frontend
-                .set_vring_call(i, call)
-                .map_err(vhost("SET_VRING_CALL"))?;
-            self.frontend
-                .set_vring_kick(i, kick)
-                .map_err(vhost("SET_VRING_KICK"))?;
-            if self.protocol {
-                self.frontend
-                    .set_vring_enable(i, true)
-                    .map_err(vhost("SET_VRING_ENABLE"))?;
-            }
+            start_ring(&mut self.frontend, self.protocol, i, base, call, kick)?;
             kick.write(1).map_err(FsError::StateIo)?;
         }
         Ok(())
@@ -235,18 +225,7 @@ impl VhostUserFs {
             return Err(FsError::NoDeviceState);
         }
         let (read_end, write_end) = pipe().map_err(FsError::StateIo)?;
-        let theirs = self
-            .frontend
-            .set_device_state_fd(
-                VhostTransferStateDirection::LOAD,
-                VhostTransferStatePhase::STOPPED,
-                read_end,
-            )
-            .map_err(vhost("SET_DEVICE_STATE_FD (load)"))?;
-        let mut to: std::fs::File = match theirs {
-            Some(f) => f,
-            None => std::fs::File::from(write_end),
-        };
+        let mut to = self.transfer(VhostTransferStateDirection::LOAD, read_end, write_end)?;
         to.write_all(blob).map_err(FsError::StateIo)?;
         // End of the state: the backend's reader sees EOF and applies it.
         drop(to);
@@ -304,20 +283,14 @@ impl VhostUserFs {
                 .set_vring_addr(i, &config)
                 .map_err(vhost("SET_VRING_ADDR"))?;
             // 0 at the guest's activation; where the queue stood for a restored device.
-            self.frontend
-                .set_vring_base(i, q.next_avail())
-                .map_err(vhost("SET_VRING_BASE"))?;
-            self.frontend
-                .set_vring_call(i, call)
-                .map_err(vhost("SET_VRING_CALL"))?;
-            self.frontend
-                .set_vring_kick(i, kick)
-                .map_err(vhost("SET_VRING_KICK"))?;
-            if self.protocol {
-                self.frontend
-                    .set_vring_enable(i, true)
-                    .map_err(vhost("SET_VRING_ENABLE"))?;
-            }
+            start_ring(
+                &mut self.frontend,
+                self.protocol,
+                i,
+                q.next_avail(),
+                call,
+                kick,
+            )?;
         }
         Ok(())
     }
@@ -379,6 +352,33 @@ impl VirtioDevice for VhostUserFs {
         self.active = true;
         Ok(())
     }
+}
+
+/// Ring `i` starts at `base`, with its interrupt and kick fds, enabled (`protocol`: the
+/// backend takes SET_VRING_ENABLE).
+fn start_ring(
+    frontend: &mut Frontend,
+    protocol: bool,
+    i: usize,
+    base: u16,
+    call: &EventFd,
+    kick: &EventFd,
+) -> Result<(), FsError> {
+    frontend
+        .set_vring_base(i, base)
+        .map_err(vhost("SET_VRING_BASE"))?;
+    frontend
+        .set_vring_call(i, call)
+        .map_err(vhost("SET_VRING_CALL"))?;
+    frontend
+        .set_vring_kick(i, kick)
+        .map_err(vhost("SET_VRING_KICK"))?;
+    if protocol {
+        frontend
+            .set_vring_enable(i, true)
+            .map_err(vhost("SET_VRING_ENABLE"))?;
+    }
+    Ok(())
 }
 
 /// A pipe, both ends close-on-exec.
