@@ -4,6 +4,7 @@
     tests/rerun.py decide TRY1_LOG LIST       the tests to run again, one per line: NAME<TAB>WHY
                                               (LIST: the binary's `--list` output)
     tests/rerun.py merge TRY1_LOG [TRY2_LOG]  each test's final result: NAME<TAB>ok|FAILED|ignored
+    tests/rerun.py excuse TRY_LOG LIST        why a failed attempt is the test bed's alone, or nothing
     tests/rerun.py selftest                   the rule checked on made-up logs
 
 A test is run again (once) only when the test bed, not amvm, is to blame for it:
@@ -17,6 +18,10 @@ A test is run again (once) only when the test bed, not amvm, is to blame for it:
   whose own failure report holds all three marks of that panic.
 Every other failure is final: a rerun never hides an assertion that failed elsewhere in the
 binary. The merge takes a rerun test's second result; all others keep their first.
+
+An attempt whose every test has passed while its emulated host then died or wedged (by the first
+rule: there is nothing left to run again) is excused: the unit's result is its tests'. Its log
+and the time table say so.
 """
 import re
 import sys
@@ -62,10 +67,9 @@ def failure_blocks(lines):
     return {k: "\n".join(v) for k, v in blocks.items()}
 
 
-def decide(lines, all_tests):
-    got = results(lines)
+def host_fault(lines):
+    """Why the emulated host failed on its own (it died or wedged), or None."""
     text = "\n".join(lines)
-    rerun = {}
     died = HOST_DIED in text and bool(HOST_CRASH.search(text))
     stalled = STALLED in text
     if stalled:
@@ -79,7 +83,15 @@ def decide(lines, all_tests):
             )
             stalled = False
     if died or stalled:
-        why = "the emulated KVM host's kernel " + ("died" if died else "wedged")
+        return "the emulated KVM host's kernel " + ("died" if died else "wedged")
+    return None
+
+
+def decide(lines, all_tests):
+    got = results(lines)
+    rerun = {}
+    why = host_fault(lines)
+    if why:
         for t in all_tests:
             if t not in got:
                 rerun[t] = why
@@ -87,6 +99,15 @@ def decide(lines, all_tests):
         if got.get(name) == "FAILED" and all(m in block for m in TRAMPOLINE):
             rerun[name] = "a nested guest's kernel panicked on its entry trampoline stack"
     return rerun
+
+
+def excuse(lines, tests):
+    """Why this attempt's failure is the test bed's alone: every test passed, then its host failed."""
+    got = results(lines)
+    why = host_fault(lines)
+    if why and tests and all(got.get(t) in ("ok", "ignored") for t in tests):
+        return why + " after every test of the attempt had passed"
+    return None
 
 
 def selftest():
@@ -115,6 +136,16 @@ def selftest():
     first = results(["test a ... ok", "test b ... FAILED", "test c ... FAILED"])
     first.update(results(["test b ... ok"]))
     assert first == {"a": "ok", "b": "ok", "c": "FAILED"}
+    # Excused: every test passed, then the host died; never when one failed, one has no result,
+    # the host only ended (no crash on its console) or wedged with leaked processes.
+    crash = [HOST_DIED, "kvm-host: console: [ 9.1] Kernel panic - x"]
+    assert excuse(["test a ... ok", "test b ... ok", *crash], ["a", "b"])
+    assert excuse(["test a ... ok", "test b ... ok", STALLED, "kvm-host: last heartbeat: alive leaked=0"], ["a", "b"])
+    assert not excuse(["test a ... ok", "test b ... FAILED", *crash], ["a", "b"])
+    assert not excuse(["test a ... ok", *crash], ["a", "b"])
+    assert not excuse(["test a ... ok", "test b ... ok", HOST_DIED], ["a", "b"])
+    assert not excuse(["test a ... ok", STALLED, "kvm-host: last heartbeat: alive leaked=1 7:amvm"], ["a"])
+    assert not excuse([*crash], [])
     print("tests/rerun.py: the rerun rule holds on its made-up logs")
 
 
@@ -135,6 +166,12 @@ def main():
             final.update(results(read(args[1])))
         for name, res in sorted(final.items()):
             print(f"{name}\t{res}")
+    elif cmd == "excuse":
+        # excuse TRY_LOG LIST_FILE: LIST_FILE holds the attempt's tests (`--list` output).
+        tests = [l[: -len(": test")] for l in read(args[1]) if l.endswith(": test")]
+        why = excuse(read(args[0]), tests)
+        if why:
+            print(why)
     else:
         sys.exit(f"unknown command {cmd}")
 
