@@ -35,6 +35,9 @@ pub enum Incoming {
     Some,
     /// The host closed its side or broke the stream.
     Closed,
+    /// The stream was reset under us (ENOTCONN or ECONNRESET): in a session, the VM was restored from a
+    /// snapshot (the device's TRANSPORT_RESET) and the host waits for a new control stream.
+    Reset,
 }
 
 impl Channel {
@@ -94,6 +97,12 @@ impl Channel {
         }
         let mut buf = [0u8; 4096];
         match self.sock.read(&mut buf) {
+            // A transport reset closes the socket under us: reads then fail with ENOTCONN
+            // (SO_ERROR holds ECONNRESET); a host that closes or resets its end gives EOF.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ECONNRESET | libc::ENOTCONN)) => {
+                self.closed = true;
+                Incoming::Reset
+            }
             Ok(0) | Err(_) => {
                 self.closed = true;
                 Incoming::Closed
@@ -118,6 +127,43 @@ impl Channel {
                 Incoming::Some
             }
         }
+    }
+
+    /// A restored session's new control stream: connect again, and wait for the host's
+    /// Restored frame (its wall clock and randomness).
+    pub fn reconnect(&mut self) -> Result<(u64, Vec<u8>), String> {
+        let sock = vsock_connect(HOST_CID, CONTROL_PORT).map_err(|e| {
+            format!("connecting to the host's control port {CONTROL_PORT} again: {e}")
+        })?;
+        self.sock = File::from(sock);
+        self.parser = FrameParser::new(Direction::ToGuest);
+        self.closed = false;
+        let mut buf = vec![0u8; 4096];
+        let mut restored = None;
+        while restored.is_none() {
+            let n = match self.sock.read(&mut buf) {
+                Ok(0) => return Err("the host closed the new control stream".into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("reading the new control stream: {e}")),
+            };
+            let (signals, requests) = (&mut self.signals, &mut self.requests);
+            self.parser
+                .feed(&buf[..n], |f| match f {
+                    Frame::Restored {
+                        unix_nanos,
+                        entropy,
+                    } if restored.is_none() => restored = Some((unix_nanos, entropy)),
+                    Frame::Signal(s) => signals.push(s),
+                    f @ (Frame::Exec(_)
+                    | Frame::ExecSignal { .. }
+                    | Frame::ExecResize { .. }
+                    | Frame::Shutdown { .. }) => requests.push(f),
+                    _ => {}
+                })
+                .map_err(|e| format!("control channel: {e}"))?;
+        }
+        Ok(restored.expect("loop ends with it"))
     }
 
     /// Signals the host forwarded, oldest first.

@@ -42,6 +42,12 @@
 //! half-closes it at the end of stdin), so each exec's output and input flow under vsock's own
 //! credit: a slow reader slows its process, never another.
 //!
+//! A session continued from a snapshot (`amvm create --from`): the restored guest finds its
+//! vsock streams reset (VIRTIO_VSOCK_EVENT_TRANSPORT_RESET), connects its control stream again
+//! and gets [`FrameKind::Restored`] instead of a spec (`unix_nanos: u64`, the host's wall clock,
+//! then [`RESTORED_ENTROPY`] bytes of the host's randomness): guest-init sets the clock, mixes
+//! the bytes into the kernel's RNG and reseeds it, and sends [`FrameKind::Ready`] again.
+//!
 //! Exec spec layout: magic [`EXEC_MAGIC`], `id: u64`, `uid: u32`, `gid: u32`, `flags: u32`
 //! (bit 0: stdin, bit 1: a terminal, bit 2: a capability set), `rows: u16`, `cols: u16` (the
 //! terminal's first window size), `caps: u64` (with bit 2: the capabilities a uid-0 process
@@ -78,6 +84,9 @@ pub const EXEC_MAGIC: &[u8; 8] = b"AMVMEXE2";
 pub const MAX_FRAME_PAYLOAD: usize = 64 * 1024;
 /// Largest encoded run spec (argv and environment together; Linux allows about 2 MiB).
 pub const MAX_SPEC_LEN: usize = 4 << 20;
+
+/// The host randomness a [`FrameKind::Restored`] frame carries.
+pub const RESTORED_ENTROPY: usize = 64;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 5;
 /// Upper bound on the number of argv/env entries a spec may hold.
@@ -528,6 +537,7 @@ pub enum FrameKind {
     ExecSignal = 19,
     Shutdown = 20,
     ExecResize = 21,
+    Restored = 22,
     Stdin = 32,
     StdinEnd = 33,
     Resize = 34,
@@ -557,6 +567,7 @@ impl FrameKind {
             | FrameKind::Exec
             | FrameKind::ExecSignal
             | FrameKind::ExecResize
+            | FrameKind::Restored
             | FrameKind::Shutdown => &[ToGuest],
             FrameKind::Signal => &[ToGuest, ToSandbox],
             FrameKind::Stdin | FrameKind::StdinEnd | FrameKind::Resize => &[ToSandbox],
@@ -584,6 +595,9 @@ impl FrameKind {
                 Err(ProtocolError::BadFixedFrame(self, len, 4))
             }
             FrameKind::ExecResize if len != 12 => Err(ProtocolError::BadFixedFrame(self, len, 12)),
+            FrameKind::Restored if len != 8 + RESTORED_ENTROPY => Err(
+                ProtocolError::BadFixedFrame(self, len, 8 + RESTORED_ENTROPY),
+            ),
             _ => Ok(()),
         }
     }
@@ -604,6 +618,7 @@ impl TryFrom<u8> for FrameKind {
             19 => Ok(FrameKind::ExecSignal),
             20 => Ok(FrameKind::Shutdown),
             21 => Ok(FrameKind::ExecResize),
+            22 => Ok(FrameKind::Restored),
             32 => Ok(FrameKind::Stdin),
             33 => Ok(FrameKind::StdinEnd),
             34 => Ok(FrameKind::Resize),
@@ -645,6 +660,14 @@ pub fn exec_signal_payload(id: u64, signal: u8) -> [u8; 9] {
     p
 }
 
+/// A [`FrameKind::Restored`] payload.
+pub fn restored_payload(unix_nanos: u64, entropy: &[u8; RESTORED_ENTROPY]) -> Vec<u8> {
+    let mut p = Vec::with_capacity(8 + RESTORED_ENTROPY);
+    p.extend_from_slice(&unix_nanos.to_le_bytes());
+    p.extend_from_slice(entropy);
+    p
+}
+
 /// An [`FrameKind::ExecResize`] payload.
 pub fn exec_resize_payload(id: u64, rows: u16, cols: u16) -> [u8; 12] {
     let mut p = [0u8; 12];
@@ -673,10 +696,27 @@ pub enum Frame {
     Spec(Vec<u8>),
     Signal(u8),
     Exec(Vec<u8>),
-    ExecSignal { id: u64, signal: u8 },
-    Shutdown { grace_seconds: u32 },
-    ExecResize { id: u64, rows: u16, cols: u16 },
-    Resize { rows: u16, cols: u16 },
+    ExecSignal {
+        id: u64,
+        signal: u8,
+    },
+    Shutdown {
+        grace_seconds: u32,
+    },
+    ExecResize {
+        id: u64,
+        rows: u16,
+        cols: u16,
+    },
+    /// The host's wall clock (ns since the epoch) and randomness for a restored guest.
+    Restored {
+        unix_nanos: u64,
+        entropy: Vec<u8>,
+    },
+    Resize {
+        rows: u16,
+        cols: u16,
+    },
     Stdin(Vec<u8>),
     StdinEnd,
 }
@@ -767,6 +807,10 @@ impl FrameParser {
                             id: le_u64(&p),
                             rows: u16::from_le_bytes([p[8], p[9]]),
                             cols: u16::from_le_bytes([p[10], p[11]]),
+                        },
+                        FrameKind::Restored => Frame::Restored {
+                            unix_nanos: le_u64(&p),
+                            entropy: p[8..].to_vec(),
                         },
                         FrameKind::Resize => Frame::Resize {
                             rows: u16::from_le_bytes([p[0], p[1]]),
@@ -1088,6 +1132,33 @@ mod tests {
                 cols: 100
             }
         );
+        let mut restored = Vec::new();
+        encode_frame(
+            FrameKind::Restored,
+            &restored_payload(5, &[7; RESTORED_ENTROPY]),
+            &mut restored,
+        );
+        let mut got = Vec::new();
+        FrameParser::new(Direction::ToGuest)
+            .feed(&restored, |f| got.push(f))
+            .unwrap();
+        assert_eq!(
+            got,
+            vec![Frame::Restored {
+                unix_nanos: 5,
+                entropy: vec![7; RESTORED_ENTROPY]
+            }]
+        );
+        // A short one is refused; the host never gets one.
+        let mut bad = vec![FrameKind::Restored as u8];
+        bad.extend_from_slice(&8u32.to_le_bytes());
+        bad.extend_from_slice(&[0; 8]);
+        assert!(FrameParser::new(Direction::ToGuest)
+            .feed(&bad, |_| {})
+            .is_err());
+        assert!(FrameParser::new(Direction::ToHost)
+            .feed(&restored, |_| {})
+            .is_err());
 
         let mut to_host = Vec::new();
         encode_frame(FrameKind::Ready, &[], &mut to_host);

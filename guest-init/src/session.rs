@@ -11,6 +11,11 @@
 //!
 //! When an exec's process exits, whatever it left running is killed (its cgroup's
 //! `cgroup.kill`), so an exec ends with its process as a one-shot run does.
+//!
+//! A session restored from a snapshot (`amvm create --from`) finds every vsock stream reset:
+//! the control stream is connected again (the host sends the time and fresh randomness, which
+//! set the clock and reseed the RNG), and the execs that were running keep running with their
+//! output dropped (their streams, and whoever read them, are gone with the old host).
 
 use crate::channel::{vsock_connect, Channel, Incoming, HOST_CID};
 use crate::sandbox::{Cgroup, Confinement};
@@ -24,12 +29,16 @@ use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How often the main loop reaps, and an exec's relay checks for its status.
 const TICK_MS: i32 = 50;
+
+/// Set once the control stream was reset: this guest was restored from a snapshot.
+static RESTORED: AtomicBool = AtomicBool::new(false);
 
 /// The running execs: who to tell when a process exits, and whom a signal is for.
 #[derive(Default)]
@@ -79,10 +88,21 @@ pub fn serve(
         // SAFETY: poll(2) on one valid pollfd for the duration of the call.
         let n = unsafe { libc::poll(&mut pfd, 1, TICK_MS) };
         if n > 0 && pfd.revents != 0 {
-            if let Incoming::Closed = chan.receive() {
-                // The host is gone: nobody can use the sandbox any more.
-                stop(&shared, Duration::ZERO);
-                return Ok(());
+            match chan.receive() {
+                Incoming::Closed => {
+                    // The host is gone: nobody can use the sandbox any more.
+                    stop(&shared, Duration::ZERO);
+                    return Ok(());
+                }
+                Incoming::Reset => {
+                    RESTORED.store(true, Ordering::SeqCst);
+                    if let Err(e) = restored(chan) {
+                        eprintln!("guest-init: after a restore: {e}");
+                        stop(&shared, Duration::ZERO);
+                        return Ok(());
+                    }
+                }
+                Incoming::Some => {}
             }
         }
         for req in chan.take_requests() {
@@ -113,6 +133,33 @@ pub fn serve(
         }
         reap(&shared);
     }
+}
+
+/// This guest continues a snapshot: a new control stream, the host's clock, the RNG reseeded
+/// with the host's randomness (two restores of one snapshot must not draw the same bytes), and
+/// Ready again.
+fn restored(chan: &mut Channel) -> Result<(), String> {
+    let (unix_nanos, entropy) = chan.reconnect()?;
+    crate::sys::set_clock(unix_nanos).map_err(|e| format!("setting the clock: {e}"))?;
+    crate::sys::reseed_rng(&entropy).map_err(|e| format!("reseeding the RNG: {e}"))?;
+    chan.ready();
+    Ok(())
+}
+
+/// Whether a write error on an exec's stream is the restore's reset: then the process keeps
+/// running. The main loop notices the reset on its control stream within a tick or two.
+fn reset_by_restore(e: &io::Error) -> bool {
+    if !matches!(e.raw_os_error(), Some(libc::ECONNRESET | libc::ENOTCONN)) {
+        return false;
+    }
+    let end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < end {
+        if RESTORED.load(Ordering::SeqCst) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -390,6 +437,8 @@ fn run(
     let mut buf = vec![0u8; 64 * 1024];
     let mut open = [true, err.is_some()];
     let mut status: Option<u8> = None;
+    // The stream was reset by a restore: the process goes on, its output goes nowhere.
+    let mut detached = false;
     loop {
         if status.is_none() {
             if let Ok(s) = rx.try_recv() {
@@ -399,6 +448,13 @@ fn run(
         }
         if !open[0] && !open[1] {
             if let Some(s) = status {
+                if detached {
+                    lock(&shared.procs).ttys.remove(&spec.id);
+                    return Err(io::Error::new(
+                        io::ErrorKind::ConnectionReset,
+                        format!("its stream was reset by a restore; it exited with {s}"),
+                    ));
+                }
                 if s == 128 + libc::SIGKILL as u8 && shared.cgroup.oom_kills() > oom_before {
                     stream.send(FrameKind::Stderr, b"amvm: killed: out of memory\n")?;
                 }
@@ -447,8 +503,13 @@ fn run(
             match r {
                 // A terminal's master reads EIO once every holder of its peer is gone.
                 Ok(0) | Err(_) => open[i] = false,
+                Ok(_) if detached => {}
                 Ok(n) => {
                     if let Err(e) = stream.send(kind, &buf[..n]) {
+                        if reset_by_restore(&e) {
+                            detached = true;
+                            continue;
+                        }
                         // The host is gone: the process goes too.
                         cgroup.kill();
                         lock(&shared.procs).ttys.remove(&spec.id);

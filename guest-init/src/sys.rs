@@ -84,3 +84,46 @@ pub fn loopback_up() -> io::Result<()> {
     }
     Ok(())
 }
+
+/// A restored guest's clock: the host's wall clock, `unix_nanos` since the epoch.
+pub fn set_clock(unix_nanos: u64) -> io::Result<()> {
+    let ts = libc::timespec {
+        tv_sec: (unix_nanos / 1_000_000_000) as libc::time_t,
+        tv_nsec: (unix_nanos % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: clock_settime(2) reads the timespec it is pointed at; PID 1 holds CAP_SYS_TIME.
+    if unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `<linux/random.h>`: RNDADDENTROPY (`_IOW('R', 0x03, int[2])`) and RNDRESEEDCRNG
+/// (`_IO('R', 0x07)`).
+const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+
+/// Mix `bytes` (the host's randomness) into the kernel's pool, credited as entropy, and reseed
+/// its CRNG at once: a restored or forked guest's next random bytes are its own, not the
+/// snapshot's.
+pub fn reseed_rng(bytes: &[u8]) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let urandom = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + bytes.len());
+    info.extend_from_slice(&((bytes.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(bytes.len() as i32).to_ne_bytes());
+    info.extend_from_slice(bytes);
+    // SAFETY: RNDADDENTROPY reads a rand_pool_info whose buf_size bytes follow its header, all
+    // within `info`, which outlives the call; PID 1 holds CAP_SYS_ADMIN.
+    if unsafe { libc::ioctl(urandom.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: RNDRESEEDCRNG takes no argument.
+    if unsafe { libc::ioctl(urandom.as_raw_fd(), RNDRESEEDCRNG) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
