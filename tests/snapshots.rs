@@ -495,3 +495,187 @@ fn a_snapshot_writes_the_whole_sandbox_to_a_new_private_directory_and_it_goes_on
         "a refused snapshot left its directory"
     );
 }
+
+/// Counts in its memory and writes each number to /tmp/count (a restored copy's output goes
+/// nowhere: its stream was the old host's).
+const FILE_COUNTER: &str = "import os, time\ni = 0\nwhile True:\n    with open('/tmp/count.new', 'w') as f:\n        f.write(str(i))\n    os.rename('/tmp/count.new', '/tmp/count')\n    i += 1\n    time.sleep(0.05)\n";
+
+fn count_in(w: &World, sandbox: &str) -> u64 {
+    let o = w.exec(sandbox, &["cat", "/tmp/count"]);
+    assert_eq!(o.code, 0, "{sandbox}: {}", o.stderr);
+    o.stdout_str().trim().parse().unwrap()
+}
+
+/// One line of `cmd`'s output in `sandbox`.
+fn line_of(w: &World, sandbox: &str, cmd: &str) -> String {
+    let o = w.exec(sandbox, &["sh", "-c", cmd]);
+    assert_eq!(o.code, 0, "{sandbox}: {cmd}: {}", o.stderr);
+    o.stdout_str().trim().to_string()
+}
+
+#[test]
+fn a_restored_snapshot_goes_on_with_its_processes_files_and_workspace_and_each_copy_is_its_own() {
+    let w = World::new("snapshots", "restore");
+    let ws = w.xdg.join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("data"), "opened before the snapshot\n").unwrap();
+    w.create(&[
+        "--name",
+        "orig",
+        "--mem",
+        "256",
+        "--workspace",
+        ws.to_str().unwrap(),
+    ]);
+    assert_eq!(w.exec("orig", &["sh", "-c", "echo kept > /tmp/f"]).code, 0);
+    // A process with its count in memory, and one holding a workspace file open.
+    let mut counter = w
+        .cmd(&["exec", "orig", "--", "python3", "-c", FILE_COUNTER])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let holder_script = "exec 3</workspace/data; echo open > /tmp/held; \
+        while [ ! -e /tmp/go ]; do sleep 0.1; done; cat <&3 > /tmp/read-after";
+    let mut holder = w
+        .cmd(&["exec", "orig", "--", "sh", "-c", holder_script])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(180);
+    loop {
+        let o = w.exec("orig", &["sh", "-c", "cat /tmp/held && cat /tmp/count"]);
+        if o.code == 0
+            && o.stdout_str()
+                .lines()
+                .nth(1)
+                .and_then(|c| c.parse::<u64>().ok())
+                >= Some(5)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the counter and holder did not start: {}",
+            o.stderr
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let before = count_in(&w, "orig");
+
+    let dir = w.xdg.join("snap");
+    let d = dir.to_str().unwrap();
+    let o = w.amvm(&["snapshot", "orig", d, "--stop"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    // The original is gone, and its execs with it.
+    let _ = counter.wait();
+    let _ = holder.wait();
+    assert_eq!(w.inspect("orig")["state"], "stopped");
+
+    // A new sandbox continues it: the same files, the counter counting on from where it was
+    // (not from 0), the held file still readable, the workspace served, execs working.
+    let o = w.amvm(&["create", "--from", d, "--name", "r1"]);
+    assert_eq!(o.code, 0, "create --from: {}", o.stderr);
+    let r1 = o.stdout_str().trim().to_string();
+    assert_eq!(w.inspect("r1")["id"], r1.as_str());
+    assert_eq!(w.inspect("r1")["state"], "running");
+    assert_eq!(line_of(&w, "r1", "cat /tmp/f"), "kept");
+    let first = count_in(&w, "r1");
+    std::thread::sleep(Duration::from_secs(1));
+    let second = count_in(&w, "r1");
+    assert!(
+        first >= before && second > first,
+        "the counter did not go on: {before} before the snapshot, then {first}, {second}"
+    );
+    assert_eq!(
+        line_of(
+            &w,
+            "r1",
+            "touch /tmp/go; for i in $(seq 100); do [ -s /tmp/read-after ] && break; sleep 0.1; done; cat /tmp/read-after"
+        ),
+        "opened before the snapshot"
+    );
+    assert_eq!(
+        line_of(&w, "r1", "cat /workspace/data"),
+        "opened before the snapshot"
+    );
+    // Its clock is the host's, not the snapshot's.
+    let guest_now: i64 = line_of(&w, "r1", "date +%s").parse().unwrap();
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (guest_now - host_now).abs() < 60,
+        "guest {guest_now}, host {host_now}"
+    );
+
+    // The same snapshot again, while the first copy runs: a sandbox of its own, with its own
+    // randomness (the RNG reseeded from the host at restore).
+    let o = w.amvm(&["create", "--from", d, "--name", "r2"]);
+    assert_eq!(o.code, 0, "create --from again: {}", o.stderr);
+    assert_eq!(line_of(&w, "r2", "cat /tmp/f"), "kept");
+    let draw = "cat /proc/sys/kernel/random/uuid; head -c 16 /dev/urandom | od -An -tx1";
+    let (a, b) = (line_of(&w, "r1", draw), line_of(&w, "r2", draw));
+    assert_ne!(a, b, "two copies of one snapshot drew the same randomness");
+    assert_eq!(w.exec("r2", &["sh", "-c", "echo own > /tmp/f"]).code, 0);
+    assert_eq!(
+        line_of(&w, "r1", "cat /tmp/f"),
+        "kept",
+        "r2's write reached r1"
+    );
+
+    // A damaged snapshot is refused with the reason, and nothing is made.
+    let ids = || -> Vec<String> {
+        let all: serde_json::Value =
+            serde_json::from_slice(&w.amvm(&["ls", "--json"]).stdout).unwrap();
+        let mut v: Vec<String> = all
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    let ls_before = ids();
+    let copy = |name: &str| {
+        let to = w.xdg.join(name);
+        let st = Command::new("cp")
+            .args(["-a", "--sparse=always", d, to.to_str().unwrap()])
+            .status()
+            .unwrap();
+        assert!(st.success());
+        to
+    };
+    let bad = copy("bad-state");
+    let mut state = std::fs::read(bad.join("state")).unwrap();
+    let last = state.len() - 2;
+    state[last] ^= 0x20;
+    std::fs::write(bad.join("state"), &state).unwrap();
+    let o = w.amvm(&["create", "--from", bad.to_str().unwrap()]);
+    assert_eq!(o.code, 125, "{}", o.stderr);
+    assert!(o.stderr.contains("checksum"), "{}", o.stderr);
+    let short = copy("short-memory");
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(short.join("memory"))
+        .unwrap();
+    f.set_len(1 << 20).unwrap();
+    let o = w.amvm(&["create", "--from", short.to_str().unwrap()]);
+    assert_eq!(o.code, 125, "{}", o.stderr);
+    assert!(o.stderr.contains("truncated"), "{}", o.stderr);
+    let o = w.amvm(&["create", "--from", d, "--cpus", "2"]);
+    assert_eq!(o.code, 125, "{}", o.stderr);
+    assert!(o.stderr.contains("only --name"), "{}", o.stderr);
+    let o = w.amvm(&["create", "--from", w.xdg.join("nowhere").to_str().unwrap()]);
+    assert_eq!(o.code, 125, "{}", o.stderr);
+    assert!(o.stderr.contains("nowhere"), "{}", o.stderr);
+    assert_eq!(ids(), ls_before, "a refused restore made something");
+
+    for s in ["r1", "r2"] {
+        let o = w.amvm(&["stop", s]);
+        assert_eq!(o.code, 0, "stop {s}: {}", o.stderr);
+    }
+}

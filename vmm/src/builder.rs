@@ -69,6 +69,8 @@ pub enum RunError {
     Pause(#[from] crate::vstate::pause::PauseError),
     #[error("interrupted by {}: {why}", signals::name(*.sig))]
     Interrupted { sig: i32, why: &'static str },
+    #[error("restoring the snapshot: {0}")]
+    Restore(String),
     #[error("the guest failed: {error}{}", console_note(.console))]
     GuestFailed { error: String, console: String },
     #[error("the guest stopped ({how}) without reporting an exit status{}{}", .protocol.as_ref().map(|p| format!(" (channel: {p})")).unwrap_or_default(), console_note(.console))]
@@ -170,6 +172,16 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         memory::Backing::HugeTmpfs => "guest memory created (huge-page tmpfs)",
         memory::Backing::Memfd => "guest memory created (memfd)",
     });
+    // A restore: the snapshot must fit this machine, and its RAM (its data only) goes in now.
+    let restore = cfg.restore.as_deref();
+    if let Some(r) = restore {
+        check_restore(cfg, &r.state)?;
+        let (ram, len) = memory::backing(&mem)
+            .ok_or_else(|| RunError::Restore("guest memory is not file-backed".into()))?;
+        memory::copy_sparse(&r.memory, ram, len)
+            .map_err(|e| RunError::Restore(format!("reading its memory file: {e}")))?;
+        t.mark("guest memory restored");
+    }
     // The shares' backends: every virtiofsd is started now, and each is handshaken once guest
     // memory and the kernel are loaded (their start-up overlaps that work), so a share that
     // cannot be served still fails the run before the guest exists. They are killed when
@@ -206,6 +218,9 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
 
     // The irqchip is created with the VM, before any vCPU (KVM requires that order).
     let vm = Vm::new(&kvm, &mem)?;
+    if let Some(r) = restore {
+        vm.restore_state(&r.state.vm)?;
+    }
     t.mark("VM created");
 
     // Devices. COM1: kernel console; i8042: the exit path; virtio-vsock: the control channel;
@@ -246,7 +261,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
     };
     let p = policy.clone();
     policy.expect_thread();
-    let vsock = VsockDevice::with_thread_hook(
+    let mut vsock = VsockDevice::with_thread_hook(
         GUEST_CID,
         ports,
         Box::new(move || p.enter(ThreadKind::EventLoop)),
@@ -256,6 +271,11 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         RunError::Vsock(e)
     })?;
     let vsock_hold = vsock.hold();
+    if restore.is_some() {
+        // The guest's streams were the old host's: it is told they are gone (TRANSPORT_RESET)
+        // once the restored transport activates the device.
+        vsock.set_restored();
+    }
     // Every transport (slot order: vsock, then the shares) and share, for a snapshot.
     let mut transports = Vec::with_capacity(1 + cfg.shares.len());
     let mut shares: Vec<(String, Arc<Mutex<VhostUserFs>>)> = Vec::with_capacity(cfg.shares.len());
@@ -263,19 +283,34 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
     let mut virtio_entries = vec![entry];
     transports.push(transport);
 
-    // Guest memory contents: kernel, then the initramfs above it, then the boot tables.
-    let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
-    let initrd = build_initramfs();
-    let initrd_addr = boot::load_initramfs(&mem, mem_bytes, &kernel, &initrd)?;
-    let initrd_len = initrd.len();
-    // The guest has its copy: the VMM's own memory should not hold two more for the whole run.
-    drop(initrd);
-    release_guest_init_pages();
-    t.mark("kernel and initramfs loaded");
+    // Guest memory contents: kernel, then the initramfs above it, then the boot tables (a
+    // restored guest has them all already).
+    let boot = match restore {
+        Some(_) => None,
+        None => {
+            let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
+            let initrd = build_initramfs();
+            let initrd_addr = boot::load_initramfs(&mem, mem_bytes, &kernel, &initrd)?;
+            let initrd_len = initrd.len();
+            // The guest has its copy: the VMM's own memory should not hold two more for the
+            // whole run.
+            drop(initrd);
+            release_guest_init_pages();
+            t.mark("kernel and initramfs loaded");
+            Some((kernel.entry, initrd_addr, initrd_len))
+        }
+    };
 
     // The shares' vhost-user handshakes, now that their virtiofsd had the time to start.
     for (i, ((tag, stream), backend)) in fs_streams.into_iter().zip(&mut backends).enumerate() {
-        let dev = VhostUserFs::new(tag, stream).map_err(|e| backend.failure(e.to_string()))?;
+        let mut dev = VhostUserFs::new(tag, stream).map_err(|e| backend.failure(e.to_string()))?;
+        if let Some(r) = restore {
+            // Its new virtiofsd takes the old one's state (the inodes and files the guest
+            // holds) before the restored transport hands it the guest's queues.
+            let (_, saved) = &r.state.devices.shares[i];
+            dev.load_backend_state(&saved.blob)
+                .map_err(|e| RunError::Restore(format!("share {tag}: {e}")))?;
+        }
         let slot = 1 + i as u64;
         let dev = Arc::new(Mutex::new(dev));
         let (entry, transport) = attach_virtio(&vm, &mem, &mut mmio, slot, dev.clone())?;
@@ -299,25 +334,51 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
     crate::jail::enter_empty_root(&sockets)?;
     crate::jail::drop_capabilities()?;
     t.mark("in the empty root, capabilities dropped");
-    let cmdline = boot::cmdline(cfg.console, &virtio_entries)?;
-    boot::configure_pvh(
-        &mem,
-        mem_bytes,
-        &cmdline,
-        (initrd_addr, initrd_len),
-        cfg.cpus,
-    )?;
+    if let Some((_, initrd_addr, initrd_len)) = boot {
+        let cmdline = boot::cmdline(cfg.console, &virtio_entries)?;
+        boot::configure_pvh(
+            &mem,
+            mem_bytes,
+            &cmdline,
+            (initrd_addr, initrd_len),
+            cfg.cpus,
+        )?;
+    }
 
-    // vCPUs: all configured before any runs; vCPU 0 boots, the others wait for the guest's SIPI.
+    // vCPUs: all configured before any runs; vCPU 0 boots, the others wait for the guest's SIPI
+    // (or each continues where the snapshot has it).
     let mut vcpus = Vec::with_capacity(cfg.cpus.into());
     for id in 0..cfg.cpus {
         let vcpu = vm.create_vcpu(id)?;
-        let boot = (id == 0).then_some(BootEntry {
-            entry: kernel.entry,
-            start_info: layout::PVH_INFO_START,
-        });
-        vcpu.configure(&kvm, cfg.cpus, boot)?;
+        match (restore, boot) {
+            (Some(r), _) => vcpu.restore_state(&kvm, cfg.cpus, &r.state.vcpus[usize::from(id)])?,
+            (None, Some((entry, _, _))) => {
+                let boot = (id == 0).then_some(BootEntry {
+                    entry,
+                    start_info: layout::PVH_INFO_START,
+                });
+                vcpu.configure(&kvm, cfg.cpus, boot)?;
+            }
+            (None, None) => unreachable!("a boot without a kernel"),
+        }
         vcpus.push(vcpu);
+    }
+    // The devices after the vCPUs: a restored transport may interrupt the guest at once (the
+    // vsock device's TRANSPORT_RESET event), and an interrupt delivered before a vCPU's LAPIC
+    // is restored would be wiped by it.
+    if let Some(r) = restore {
+        for (i, (transport, state)) in transports
+            .iter()
+            .zip(&r.state.devices.transports)
+            .enumerate()
+        {
+            transport
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .restore_state(state)
+                .map_err(|e| RunError::Restore(format!("device {i}: {e}")))?;
+        }
+        t.mark("devices restored");
     }
     let (pio, mmio) = (Arc::new(pio), Arc::new(mmio));
     // `amvm pause`: the vCPUs are kicked out of KVM_RUN by a signal whose handler is set now,
@@ -468,6 +529,45 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
             })
         }
     }
+}
+
+/// Whether a snapshot's machine is this run's: its state was decoded and checked against
+/// this amvm by the caller; here its size, vCPUs and shares against the run's.
+fn check_restore(cfg: &RunConfig, state: &crate::snapshot::MachineState) -> Result<(), RunError> {
+    let bad = |s: String| Err(RunError::Restore(s));
+    state
+        .check()
+        .map_err(|e| RunError::Restore(e.to_string()))?;
+    if state.meta.mem_mib != cfg.mem_mib {
+        return bad(format!(
+            "it has {} MiB of guest RAM, this VM {} MiB",
+            state.meta.mem_mib, cfg.mem_mib
+        ));
+    }
+    if state.meta.cpus != cfg.cpus {
+        return bad(format!(
+            "it has {} vCPUs, this VM {}",
+            state.meta.cpus, cfg.cpus
+        ));
+    }
+    let saved: Vec<&str> = state
+        .devices
+        .shares
+        .iter()
+        .map(|(t, _)| t.as_str())
+        .collect();
+    let here: Vec<&str> = cfg.shares.iter().map(|(t, _, _)| t.as_str()).collect();
+    if saved != here {
+        return bad(format!(
+            "its shares are [{}], this VM's [{}]",
+            saved.join(", "),
+            here.join(", ")
+        ));
+    }
+    if cfg.session.is_none() {
+        return bad("only a sandbox (a session) can be restored".into());
+    }
+    Ok(())
 }
 
 /// `RUST_LOG=amvm::timeline=debug`: when each step of a run finished, from `main`'s start.

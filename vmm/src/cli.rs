@@ -227,6 +227,10 @@ pub struct CreateArgs {
     /// Stop the sandbox once no exec has run for SECS seconds.
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
     pub idle_timeout: Option<u64>,
+    /// Continue the sandbox `amvm snapshot` wrote to DIR (its settings come from there; with
+    /// it only --name, --label, --idle-timeout and --egress may be given).
+    #[arg(long, value_name = "DIR")]
+    pub from: Option<PathBuf>,
 }
 
 /// `amvm exec`.
@@ -506,6 +510,7 @@ impl VmArgs {
             session,
             shares,
             virtiofsd: crate::fs::virtiofsd_path(&cache),
+            restore: None,
         })
     }
 }

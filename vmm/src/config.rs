@@ -290,6 +290,18 @@ pub struct RunConfig {
     /// A session (`amvm create`): the unix socket of its supervisor, which the guest's control
     /// and exec streams connect to (`spec.session` is set too).
     pub session: Option<PathBuf>,
+    /// `amvm create --from DIR`: continue a snapshot's machine instead of booting one (a
+    /// session's; the state checked, the memory file open, both by the caller).
+    pub restore: Option<std::sync::Arc<Restore>>,
+}
+
+/// A snapshot to continue from (snapshot/): its decoded state and its memory file.
+#[derive(Debug)]
+pub struct Restore {
+    pub state: crate::snapshot::MachineState,
+    pub memory: std::fs::File,
+    /// The snapshot's next exec id: the restored sandbox's execs start there.
+    pub next_exec_id: u64,
 }
 
 /// Where `images/setup`, run as root, also installs the guest kernel and virtiofsd, for every

@@ -144,6 +144,10 @@ pub struct SnapshotAnswer {
     pub state_bytes: u64,
     pub memory_bytes: u64,
     pub memory_written: u64,
+    /// Every exec id the guest has seen is below this: a restore's execs start here (their ids
+    /// name cgroups and streams in the guest, where the snapshot's own execs may still run).
+    #[serde(default)]
+    pub next_exec_id: u64,
     /// The sandbox after: running, paused (as it was), or stopped (`stop`).
     pub sandbox: super::Info,
 }

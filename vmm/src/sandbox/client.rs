@@ -278,12 +278,13 @@ impl Sandbox {
             })?),
             None => None,
         };
-        let described = serde_json::json!({
+        let mut described = serde_json::json!({
             "amvm": env!("CARGO_PKG_VERSION"),
             "kernel_sha256": kernel_sha256,
             "sandbox": info,
         });
-        file("sandbox.json")?
+        let mut description = file("sandbox.json")?;
+        description
             .write_all(&serde_json::to_vec_pretty(&described).expect("serializable"))
             .map_err(|e| SandboxError::Snapshot(format!("{}: {e}", dir.display())))?;
         let body = serde_json::to_vec(&api::SnapshotRequest { stop }).expect("serializable");
@@ -306,7 +307,17 @@ impl Sandbox {
         if code != 200 {
             return Err(self.api_error(code, &body));
         }
-        self.json(&body)
+        use std::os::unix::fs::FileExt;
+        let answer: api::SnapshotAnswer = self.json(&body)?;
+        // Last: the mark of a finished snapshot, and where a restore's exec ids start.
+        described["next_exec_id"] = answer.next_exec_id.into();
+        let bytes = serde_json::to_vec_pretty(&described).expect("serializable");
+        description
+            .set_len(0)
+            .and_then(|()| description.write_all_at(&bytes, 0))
+            .and_then(|()| description.sync_all())
+            .map_err(|e| SandboxError::Snapshot(format!("{}: {e}", dir.display())))?;
+        Ok(answer)
     }
 
     /// A sandbox whose supervisor is gone is said to be so, not "connection refused".

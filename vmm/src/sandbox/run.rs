@@ -35,6 +35,7 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
             name: None,
             labels: Vec::new(),
             idle_timeout: None,
+            from: None,
         },
         command.clone(),
     ) {

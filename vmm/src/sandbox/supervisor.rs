@@ -23,8 +23,8 @@ use crate::cli::CreateArgs;
 use crate::config::RunConfig;
 use crate::control::{SESSION_TAG_CONTROL, SESSION_TAG_EXEC};
 use guest_init::protocol::{
-    encode_chunks, encode_frame, exec_resize_payload, exec_signal_payload, Direction, ExecSpec,
-    Frame, FrameKind, FrameParser,
+    encode_chunks, encode_frame, exec_resize_payload, exec_signal_payload, restored_payload,
+    Direction, ExecSpec, Frame, FrameKind, FrameParser, RESTORED_ENTROPY,
 };
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -60,6 +60,9 @@ pub fn create_tied(args: CreateArgs) -> Result<String, SandboxError> {
 }
 
 fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
+    if let Some(from) = args.from.clone() {
+        return create_restored(args, &from);
+    }
     if args.vm.changes.is_some() {
         return Err(SandboxError::Unsupported(
             "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR)",
@@ -70,6 +73,106 @@ fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
         e => e,
     })?;
     create_from(c.cfg, c.config, c.name, c.labels, tied)
+}
+
+/// `amvm create --from DIR`: a new sandbox that continues the snapshot in DIR, with the
+/// snapshot's settings (its egress socket may be given anew).
+fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError> {
+    use clap::Parser;
+    /// `amvm create`'s flags alone.
+    #[derive(clap::Parser)]
+    struct Line {
+        #[command(flatten)]
+        args: CreateArgs,
+    }
+    let vm = &args.vm;
+    let defaults = Line::try_parse_from(["create"])
+        .expect("no arguments parse")
+        .args;
+    let d = &defaults.vm;
+    if vm.workspace.is_some()
+        || !vm.volumes.is_empty()
+        || !vm.tmpfs.is_empty()
+        || vm.changes.is_some()
+        || vm.overlay_size.is_some()
+        || vm.egress_log.is_some()
+        || vm.system != d.system
+        || vm.rootfs.is_some()
+        || vm.kernel.is_some()
+        || vm.mem != d.mem
+        || vm.cpus != d.cpus
+        || vm.pids != d.pids
+        || vm.timeout.is_some()
+        || !vm.env.is_empty()
+        || vm.workdir.is_some()
+        || vm.user != d.user
+        || vm.huge_pages
+        || vm.no_huge_pages
+    {
+        return Err(SandboxError::Snapshot(
+            "--from takes the sandbox's settings from the snapshot: with it only --name, \
+             --label, --idle-timeout and --egress may be given"
+                .into(),
+        ));
+    }
+    let opened =
+        crate::snapshot::restore::open(from).map_err(|e| SandboxError::Snapshot(e.to_string()))?;
+    let was = &opened.sandbox.config;
+    // The snapshot's sandbox, as its own flags would have made it.
+    let mut argv: Vec<std::ffi::OsString> = vec!["create".into()];
+    let mut flag = |k: &str, v: std::ffi::OsString| {
+        argv.push(k.into());
+        argv.push(v);
+    };
+    flag("--mem", was.mem_mib.to_string().into());
+    flag("--cpus", was.cpus.to_string().into());
+    flag("--system", was.system.clone().into());
+    flag("--user", was.user.clone().into());
+    flag("--workdir", was.workdir.clone().into());
+    if let Some(k) = &was.kernel {
+        flag("--kernel", k.clone().into());
+    }
+    if let Some(w) = &was.workspace {
+        flag("--workspace", w.clone().into());
+    }
+    if let Some(e) = vm.egress.as_ref().or(was.egress.as_ref()) {
+        flag("--egress", e.clone().into());
+    }
+    if let Some(t) = was.timeout_seconds {
+        flag("--timeout", t.to_string().into());
+    }
+    for e in &was.env {
+        flag("--env", e.clone().into());
+    }
+    if vm.no_seccomp {
+        argv.push("--no-seccomp".into());
+    }
+    if vm.console {
+        argv.push("--console".into());
+    }
+    let rebuilt = Line::try_parse_from(argv)
+        .map_err(|e| SandboxError::Snapshot(format!("the snapshot's settings: {}", e.kind())))?
+        .args;
+    let c = check(
+        CreateArgs {
+            name: args.name,
+            labels: args.labels,
+            idle_timeout: args.idle_timeout,
+            from: None,
+            ..rebuilt
+        },
+        Vec::new(),
+    )
+    .map_err(|e| match e {
+        SandboxError::Config(e) => SandboxError::Snapshot(format!(
+            "its sandbox cannot be made again here: {:#}",
+            anyhow::Error::from(e)
+        )),
+        e => e,
+    })?;
+    let mut cfg = c.cfg;
+    cfg.restore = Some(std::sync::Arc::new(opened.restore));
+    create_from(cfg, c.config, c.name, c.labels, false)
 }
 
 /// What `create` checked before anything is made: the VMM's config (its session path still
@@ -411,10 +514,16 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
         return fail(notify, e.to_string());
     }
     let spec = cfg.spec.clone();
+    let restored = match cfg.restore.is_some().then(host_entropy).transpose() {
+        Ok(r) => r,
+        Err(e) => return fail(notify, format!("randomness for the restored guest: {e}")),
+    };
     let code = rt.block_on(serve(ServeArgs {
         dir: dir.to_path_buf(),
         info,
         spec,
+        restored,
+        first_exec_id: cfg.restore.as_ref().map_or(1, |r| r.next_exec_id),
         vmm,
         ctl,
         guest,
@@ -442,10 +551,34 @@ fn confine(dir: &Path, held_scratch: Option<&Path>) -> Result<(), crate::jail::J
     crate::jail::drop_capabilities()
 }
 
+/// The host's randomness for a restored guest (getrandom(2): the kernel's CRNG).
+fn host_entropy() -> std::io::Result<[u8; RESTORED_ENTROPY]> {
+    let mut b = [0u8; RESTORED_ENTROPY];
+    let mut got = 0;
+    while got < b.len() {
+        // SAFETY: getrandom(2) writes at most `len - got` bytes into `b[got..]`, which is ours.
+        let n = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        got += n as usize;
+    }
+    Ok(b)
+}
+
 struct ServeArgs {
     dir: PathBuf,
     info: Info,
     spec: guest_init::protocol::RunSpec,
+    /// A sandbox restored from a snapshot: its guest gets a Restored frame (the clock and this
+    /// randomness) on its new control stream instead of the spec.
+    restored: Option<[u8; RESTORED_ENTROPY]>,
+    /// The first exec id (1, or a restored guest's next: snapshot/restore.rs).
+    first_exec_id: u64,
     vmm: libc::pid_t,
     ctl: std::os::unix::net::UnixStream,
     guest: std::os::unix::net::UnixListener,
@@ -459,6 +592,7 @@ struct Sup {
     dir: PathBuf,
     info: Mutex<Info>,
     spec: guest_init::protocol::RunSpec,
+    restored: Option<[u8; RESTORED_ENTROPY]>,
     vmm: libc::pid_t,
     /// The channel to the VMM (vmmctl.rs), one request at a time; held across a state change
     /// it makes (pause, resume), so that those never interleave.
@@ -527,12 +661,13 @@ async fn serve(a: ServeArgs) -> i32 {
         dir: a.dir,
         info: Mutex::new(a.info),
         spec: a.spec,
+        restored: a.restored,
         vmm: a.vmm,
         vmm_ctl: tokio::sync::Mutex::new(vmm_ctl),
         control: control_tx,
         control_taken: AtomicBool::new(false),
         pending: Mutex::new(HashMap::new()),
-        next_id: AtomicU64::new(1),
+        next_id: AtomicU64::new(a.first_exec_id),
         ended,
         stopping: AtomicBool::new(false),
         stop_reason: Mutex::new(None),
@@ -809,7 +944,20 @@ async fn control_stream(
 ) {
     let (mut r, mut w) = conn.into_split();
     let mut first = Vec::new();
-    encode_frame(FrameKind::Spec, &sup.spec.encode(), &mut first);
+    match &sup.restored {
+        // A restored guest is set up already: it needs the time and its own randomness.
+        Some(entropy) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            encode_frame(
+                FrameKind::Restored,
+                &restored_payload(now, entropy),
+                &mut first,
+            );
+        }
+        None => encode_frame(FrameKind::Spec, &sup.spec.encode(), &mut first),
+    }
     if w.write_all(&first).await.is_err() {
         let _ = ready.send(Err("the guest's control stream broke".into()));
         return;
@@ -1046,6 +1194,8 @@ async fn snapshot(
         .await
         .map_err(|e| (500, format!("snapshot of sandbox {}: {e}", info.id)))?;
     drop(fds);
+    // Read after the VMM's answer: an exec id handed out before the guest was paused is below.
+    let next_exec_id = sup.next_id.load(Ordering::SeqCst);
     #[derive(serde::Deserialize)]
     struct Summary {
         state_bytes: u64,
@@ -1072,6 +1222,7 @@ async fn snapshot(
         state_bytes: s.state_bytes,
         memory_bytes: s.memory_bytes,
         memory_written: s.memory_written,
+        next_exec_id,
         sandbox,
     })
 }

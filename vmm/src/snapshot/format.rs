@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 
 pub const MAGIC: &[u8; 8] = b"AMVMSNAP";
 pub const FORMAT_VERSION: u32 = 1;
-const HEADER: usize = 8 + 4 + 8 + 32;
+pub const HEADER: usize = 8 + 4 + 8 + 32;
 /// A machine's state is tens of KiB per vCPU; nothing legitimate comes near this.
 pub const MAX_BODY: u64 = 64 << 20;
 

@@ -6,6 +6,7 @@
 //! devices' state and guest memory come next; see docs/DESIGN.md "Snapshots".
 
 pub mod format;
+pub mod restore;
 pub mod take;
 
 use crate::vstate::vcpu::VcpuState;
