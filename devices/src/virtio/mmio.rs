@@ -662,13 +662,16 @@ impl MmioTransport {
         if state.status & VIRTIO_CONFIG_S_FEATURES_OK != 0 {
             lock(&self.device).ack_features(self.driver_features);
         }
+        // The interrupt state before the device runs: an activated device may signal at once
+        // (the vsock device's TRANSPORT_RESET, from its own thread), and a restore after that
+        // would overwrite the cause the guest's handler reads, losing the event.
+        self.interrupt
+            .restore(state.interrupt_status, state.config_generation)
+            .map_err(RestoreError::Interrupt)?;
         if state.activated {
             self.activate()?;
             self.activated = true;
         }
-        self.interrupt
-            .restore(state.interrupt_status, state.config_generation)
-            .map_err(RestoreError::Interrupt)?;
         Ok(())
     }
 
@@ -868,6 +871,21 @@ mod tests {
             let used = [5u16, 0, 3][i];
             assert_eq!((q.next_used, q.next_avail), (used, used), "queue {i}");
         }
+
+        // A device that signals as it activates (the restored vsock device's transport reset):
+        // its cause survives the restore of the saved (empty) interrupt state.
+        assert_eq!(state.interrupt_status, 0);
+        let signalling = DummyDevice {
+            signal_on_activate: true,
+            ..DummyDevice::default()
+        };
+        let mut s = rig_with(mem.clone(), signalling);
+        s.t.restore_state(&state).unwrap();
+        assert_eq!(
+            s.rd(VIRTIO_MMIO_INTERRUPT_STATUS) & VIRTIO_MMIO_INT_VRING,
+            VIRTIO_MMIO_INT_VRING,
+            "the restore lost the cause of the device's first interrupt"
+        );
 
         // What does not fit is refused.
         let mut other = state.clone();

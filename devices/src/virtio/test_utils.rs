@@ -56,6 +56,8 @@ pub struct DummyDevice {
     pub can_reset: bool,
     /// Make `activate` fail.
     pub fail_activate: bool,
+    /// Signal a used buffer from `activate` (as the restored vsock device's transport reset).
+    pub signal_on_activate: bool,
     pub acked: Option<u64>,
     /// One entry per `activate` call: the queues it was given.
     pub activations: Vec<Vec<QueueState>>,
@@ -73,6 +75,7 @@ impl Default for DummyDevice {
             config: *b"0123456789abcdef",
             can_reset: true,
             fail_activate: false,
+            signal_on_activate: false,
             acked: None,
             activations: Vec::new(),
             queue_evts: Vec::new(),
@@ -136,6 +139,11 @@ impl VirtioDevice for DummyDevice {
         self.activations
             .push(queues.iter().map(Queue::state).collect());
         self.queue_evts = queue_evts;
+        if self.signal_on_activate {
+            interrupt
+                .signal_used_queue()
+                .map_err(ActivateError::Backend)?;
+        }
         self.interrupt = Some(interrupt);
         Ok(())
     }
