@@ -679,3 +679,50 @@ fn a_restored_snapshot_goes_on_with_its_processes_files_and_workspace_and_each_c
         assert_eq!(o.code, 0, "stop {s}: {}", o.stderr);
     }
 }
+
+#[test]
+fn forks_of_a_running_sandbox_are_each_their_own_and_the_original_goes_on() {
+    let w = World::new("snapshots", "fork");
+    w.create(&["--name", "parent", "--mem", "256"]);
+    assert_eq!(
+        w.exec("parent", &["sh", "-c", "echo from the parent > /tmp/f"])
+            .code,
+        0
+    );
+    let o = w.amvm(&["fork", "-n", "3", "parent"]);
+    assert_eq!(o.code, 0, "fork: {}", o.stderr);
+    let forks: Vec<String> = o.stdout_str().lines().map(str::to_string).collect();
+    assert_eq!(forks.len(), 3, "{}", o.stdout_str());
+    let mut draws = std::collections::BTreeSet::new();
+    for (i, f) in forks.iter().enumerate() {
+        assert_eq!(w.inspect(f)["state"], "running");
+        assert_eq!(line_of(&w, f, "cat /tmp/f"), "from the parent");
+        assert_eq!(
+            w.exec(f, &["sh", "-c", &format!("echo fork {i} > /tmp/f")])
+                .code,
+            0
+        );
+        draws.insert(line_of(&w, f, "cat /proc/sys/kernel/random/uuid"));
+    }
+    draws.insert(line_of(&w, "parent", "cat /proc/sys/kernel/random/uuid"));
+    assert_eq!(draws.len(), 4, "forks drew the same UUIDs: {draws:?}");
+    // Each kept its own write; the parent its own; no snapshot is left behind.
+    for (i, f) in forks.iter().enumerate() {
+        assert_eq!(line_of(&w, f, "cat /tmp/f"), format!("fork {i}"));
+    }
+    assert_eq!(line_of(&w, "parent", "cat /tmp/f"), "from the parent");
+    let parent_dir = w.sandbox_dir(w.inspect("parent")["id"].as_str().unwrap());
+    let left: Vec<_> = std::fs::read_dir(&parent_dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("fork-"))
+        .collect();
+    assert!(left.is_empty(), "a fork's snapshot was left: {left:?}");
+    // A fork of a stopped sandbox is refused and makes nothing.
+    assert_eq!(w.amvm(&["stop", "parent"]).code, 0);
+    let o = w.amvm(&["fork", "parent"]);
+    assert_eq!(o.code, 125, "{}", o.stderr);
+    assert!(o.stderr.contains("not running"), "{}", o.stderr);
+    let all: serde_json::Value = serde_json::from_slice(&w.amvm(&["ls", "--json"]).stdout).unwrap();
+    assert_eq!(all.as_array().unwrap().len(), 4);
+}

@@ -115,6 +115,15 @@ pub enum Command {
         #[arg(value_name = "DIR")]
         dir: PathBuf,
     },
+    /// Start N new sandboxes from a running (or paused) sandbox's current state, each its own
+    /// from then on (a snapshot restored N times; the original goes on). Prints their ids.
+    Fork {
+        /// How many.
+        #[arg(short = 'n', default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+        n: u32,
+        #[arg(value_name = "SANDBOX")]
+        sandbox: String,
+    },
     /// Remove stopped sandboxes (with -f, running ones too: killed at once).
     Rm {
         /// Kill a running sandbox first.

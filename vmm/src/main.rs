@@ -137,6 +137,15 @@ fn main() -> ExitCode {
                 ExitCode::SUCCESS
             }))
         }
+        Command::Fork { n, sandbox } => {
+            let r = amvm::sandbox::commands::fork(&sandbox, n);
+            sandbox_result(r.map(|ids| {
+                for id in ids {
+                    println!("{id}");
+                }
+                ExitCode::SUCCESS
+            }))
+        }
         Command::Wait { sandbox } => {
             let r = amvm::sandbox::client::Sandbox::open(&sandbox)
                 .and_then(|sb| sb.wait())

@@ -133,6 +133,9 @@ impl Write for ConsoleSink {
             k.tail.push_back(b);
             match b {
                 b'\n' => {
+                    if !self.echo {
+                        tracing::debug!(target: "amvm::console", "{}", String::from_utf8_lossy(&k.line).trim_end());
+                    }
                     if k.panic.is_none() {
                         let line = String::from_utf8_lossy(&k.line).replace('\r', "");
                         if line.contains(PANIC_MARK) {

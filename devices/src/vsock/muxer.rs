@@ -96,7 +96,7 @@ where
             return;
         }
         match h.op {
-            OP_REQUEST => match self.backend.connect(h.dst_port) {
+            OP_REQUEST => match self.connect(h) {
                 Some(Ok(stream)) => {
                     self.conns
                         .insert(key, Connection::accept(stream, h, self.buf_alloc));
@@ -113,6 +113,16 @@ where
             OP_RST => {}
             _ => self.push_rst(h),
         }
+    }
+
+    /// The guest's connection request `h`, to its port's endpoint.
+    fn connect(&mut self, h: &Header) -> Option<std::io::Result<B::Stream>> {
+        tracing::debug!(
+            "vsock: the guest connects from port {} to port {}",
+            h.src_port,
+            h.dst_port
+        );
+        self.backend.connect(h.dst_port)
     }
 
     /// Queue a reset answering `h`. The queue is bounded: a guest that sends packets for

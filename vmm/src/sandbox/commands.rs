@@ -341,8 +341,6 @@ pub fn print_info(info: &Info, out: &mut impl Write) -> Result<(), SandboxError>
     writeln!(out).map_err(|e| SandboxError::Io("stdout".into(), e))
 }
 
-/// `amvm rm [-f] SANDBOX...`: every one is tried, each failure said on stderr; whether all
-/// were removed.
 /// Remove sandbox `id`, stopping it first if it runs (the OCI runtime's `delete`). A sandbox
 /// that is gone already is fine.
 pub fn rm_quietly(id: &str) -> Result<(), SandboxError> {
@@ -358,6 +356,8 @@ pub fn rm_quietly(id: &str) -> Result<(), SandboxError> {
     sb.remove()
 }
 
+/// `amvm rm [-f] SANDBOX...`: every one is tried, each failure said on stderr; whether all
+/// were removed.
 pub fn rm(force: bool, sandboxes: &[String]) -> bool {
     let mut ok = true;
     for s in sandboxes {
@@ -378,4 +378,31 @@ pub fn rm(force: bool, sandboxes: &[String]) -> bool {
         }
     }
     ok
+}
+
+/// `amvm fork SANDBOX -n N`: N new sandboxes from its current state (a snapshot into a private
+/// directory inside the sandbox's own, restored N times, then removed); their ids. If one
+/// cannot be made, the ones already made are removed: all N or none.
+pub fn fork(sandbox: &str, n: u32) -> Result<Vec<String>, SandboxError> {
+    let sb = Sandbox::open(sandbox)?;
+    let dir = sb.dir().join(format!("fork-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let made = (|| {
+        sb.snapshot(&dir, false)?;
+        let mut ids = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            match super::supervisor::create_from_snapshot(&dir) {
+                Ok(id) => ids.push(id),
+                Err(e) => {
+                    for id in &ids {
+                        let _ = rm_quietly(id);
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ids)
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    made
 }

@@ -75,6 +75,24 @@ fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
     create_from(c.cfg, c.config, c.name, c.labels, tied)
 }
 
+/// A new sandbox that continues the snapshot in `dir` with its settings (`amvm fork`); its id.
+pub fn create_from_snapshot(dir: &Path) -> Result<String, SandboxError> {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Line {
+        #[command(flatten)]
+        args: CreateArgs,
+    }
+    let args = Line::try_parse_from([
+        std::ffi::OsStr::new("create"),
+        "--from".as_ref(),
+        dir.as_os_str(),
+    ])
+    .map_err(|e| SandboxError::Snapshot(e.kind().to_string()))?
+    .args;
+    create_restored(args, dir)
+}
+
 /// `amvm create --from DIR`: a new sandbox that continues the snapshot in DIR, with the
 /// snapshot's settings (its egress socket may be given anew).
 fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError> {
