@@ -15,7 +15,11 @@ Rows, each a median over RUNS (a fresh sandbox per run):
 * the VMM's CPU time over 2 s of an idle guest, running and paused;
 * `amvm snapshot ID DIR` of the idle sandbox (wall clock, the CLI's), and what it wrote: the
   state file and the memory file's allocated size (it is sparse: guest RAM never touched is a
-  hole), against the guest RAM.
+  hole), against the guest RAM;
+* cold start vs restore, to the first exec's exit: `amvm create` + `amvm exec ID -- true` against
+  `amvm create --from SNAPSHOT` + `amvm exec ID -- true` (the snapshot of the idle sandbox);
+* `amvm fork -n 5` of the idle sandbox (once, the first run): its wall clock, and the five forks'
+  host PSS together against one sandbox's.
 """
 import argparse, json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
 
@@ -67,6 +71,15 @@ def descendants(pid):
     return out
 
 
+def shmem_mib():
+    """The host's shared memory (memfds, tmpfs) in use, MiB: /proc/meminfo's Shmem."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--amvm", required=True)
@@ -80,14 +93,17 @@ def main():
     execs, runs, inside, mem = [], [], [], []
     api_pr, cli_pr, cpu_run, cpu_paused = [], [], [], []
     snap_s, snap_state, snap_mem = [], [], []
+    cold, restored, fork_s, fork_pss, fork_shmem = [], [], [], [], []
     try:
         for _ in range(a.runs):
+            t0 = time.monotonic()
             p = run("create", "--mem", str(a.mem), "--timeout", "3600")
             if p.returncode != 0:
                 print(f"create: {p.stderr}", file=sys.stderr)
                 return 1
             sid = p.stdout.strip()
             run("exec", sid, "--", "true", check=True)
+            cold.append(time.monotonic() - t0)
             time.sleep(1)
             info = json.loads(run("inspect", sid, check=True).stdout)
             mem.append(sum(pss_kib(p) for p in descendants(info["pid"])) / 1024)
@@ -125,7 +141,36 @@ def main():
             snap_s.append(time.monotonic() - t0)
             snap_state.append(os.stat(os.path.join(snap, "state")).st_size / 1024)
             snap_mem.append(os.stat(os.path.join(snap, "memory")).st_blocks * 512 / (1 << 20))
+            t0 = time.monotonic()
+            p = run("create", "--from", snap)
+            if p.returncode != 0:
+                print(f"create --from: {p.stderr}", file=sys.stderr)
+                return 1
+            rid = p.stdout.strip()
+            run("exec", rid, "--", "true", check=True)
+            restored.append(time.monotonic() - t0)
+            run("rm", "-f", rid, check=True)
             shutil.rmtree(snap)
+            if not fork_s:
+                shm0 = shmem_mib()
+                t0 = time.monotonic()
+                p = run("fork", "-n", "5", sid)
+                if p.returncode != 0:
+                    print(f"fork: {p.stderr}", file=sys.stderr)
+                    return 1
+                fork_s.append(time.monotonic() - t0)
+                forks = p.stdout.split()
+                for f in forks:
+                    run("exec", f, "--", "true", check=True)
+                time.sleep(1)
+                total = 0.0
+                for f in forks:
+                    fi = json.loads(run("inspect", f, check=True).stdout)
+                    total += sum(pss_kib(q) for q in descendants(fi["pid"])) / 1024
+                fork_pss.append(total)
+                fork_shmem.append(shmem_mib() - shm0)
+                for f in forks:
+                    run("rm", "-f", f, check=True)
             run("rm", "-f", sid, check=True)
             t0 = time.monotonic()
             p = subprocess.run([a.amvm, "run", "--mem", str(a.mem), "--", "true"], capture_output=True, text=True)
@@ -150,6 +195,11 @@ def main():
         kib = lambda xs: f"{statistics.median(xs):9.1f} ({min(xs):.1f}-{max(xs):.1f})"
         print(f"{'snapshot state file, KiB':44} {kib(snap_state):>24}")
         print(f"{'snapshot memory file on disk, MiB':44} {kib(snap_mem):>24}")
+        print(f"{'create + first exec (cold), ms':44} {ms(cold):>24}")
+        print(f"{'create --from snapshot + first exec, ms':44} {ms(restored):>24}")
+        print(f"{'amvm fork -n 5, ms':44} {ms(fork_s):>24}")
+        print(f"{'5 forks host PSS together, MiB':44} {kib(fork_pss):>24}")
+        print(f"{'5 forks: host Shmem grew by, MiB':44} {kib(fork_shmem):>24}")
         print(f"exec vs a fresh VM: {r / e:.1f}x faster; exec vs an in-guest spawn: {e / i:.1f}x; "
               f"idle PSS is {m / a.mem * 100:.1f}% of the {a.mem} MiB guest")
         print(f"SUMMARY|sandbox: amvm exec -- true|{e * 1e3:.1f} ms|{r * 1e3:.1f} ms (amvm run -- true)|{e / r:.2f}|")
@@ -157,6 +207,12 @@ def main():
         print(f"SUMMARY|sandbox: idle host PSS|{m:.1f} MiB|{a.mem} MiB (guest RAM)|{m / a.mem:.3f}|")
         pr = statistics.median(api_pr)
         print(f"SUMMARY|sandbox: pause + resume (API)|{pr * 1e3:.1f} ms|{e * 1e3:.1f} ms (amvm exec -- true)|{pr / e:.2f}|")
+        c, rs = statistics.median(cold), statistics.median(restored)
+        print(f"SUMMARY|sandbox: restore to first exec ({a.mem} MiB)|{rs * 1e3:.1f} ms|{c * 1e3:.1f} ms (cold create to first exec)|{rs / c:.2f}|")
+        # PSS counts the pages a process maps; a fork's restored RAM the guest has not touched
+        # since is in its memfd (Shmem) but mapped by no one yet: count both (an upper bound).
+        fp = statistics.median(fork_pss) + statistics.median(fork_shmem)
+        print(f"SUMMARY|sandbox: 5 forks' PSS + new Shmem ({a.mem} MiB)|{fp:.1f} MiB|{m:.1f} MiB (one sandbox's PSS)|{fp / m:.2f}|")
         sm = statistics.median(snap_mem)
         print(f"SUMMARY|sandbox: snapshot memory on disk|{sm:.1f} MiB|{a.mem} MiB (guest RAM)|{sm / a.mem:.3f}|")
         return 0
