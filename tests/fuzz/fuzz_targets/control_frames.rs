@@ -35,6 +35,7 @@ fn kind_of(f: &Frame) -> (FrameKind, &[u8]) {
         Frame::ExecSignal { .. } => (FrameKind::ExecSignal, &[]),
         Frame::Shutdown { .. } => (FrameKind::Shutdown, &[]),
         Frame::ExecResize { .. } => (FrameKind::ExecResize, &[]),
+        Frame::Restored { .. } => (FrameKind::Restored, &[]),
         Frame::Resize { .. } => (FrameKind::Resize, &[]),
         Frame::Stdin(b) => (FrameKind::Stdin, b),
         Frame::StdinEnd => (FrameKind::StdinEnd, &[]),
@@ -49,6 +50,14 @@ fn payload_of(f: &Frame) -> Vec<u8> {
         Frame::Shutdown { grace_seconds } => grace_seconds.to_le_bytes().to_vec(),
         Frame::ExecResize { id, rows, cols } => exec_resize_payload(*id, *rows, *cols).to_vec(),
         Frame::Resize { rows, cols } => resize_payload(*rows, *cols).to_vec(),
+        Frame::Restored {
+            unix_nanos,
+            entropy,
+        } => {
+            let mut p = unix_nanos.to_le_bytes().to_vec();
+            p.extend_from_slice(entropy);
+            p
+        }
         f => kind_of(f).1.to_vec(),
     }
 }
@@ -147,6 +156,7 @@ fuzz_target!(|data: &[u8]| {
                 FrameKind::Exec,
                 FrameKind::ExecSignal,
                 FrameKind::ExecResize,
+                FrameKind::Restored,
                 FrameKind::Shutdown,
             ],
             Direction::ToSandbox => &[
@@ -171,6 +181,7 @@ fuzz_target!(|data: &[u8]| {
             FrameKind::ExecSignal => Some(9),
             FrameKind::Shutdown | FrameKind::Resize => Some(4),
             FrameKind::ExecResize => Some(12),
+            FrameKind::Restored => Some(8 + RESTORED_ENTROPY),
             FrameKind::Exit | FrameKind::Signal => Some(1),
         };
         if let Some(n) = want_len {
