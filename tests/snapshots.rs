@@ -726,3 +726,128 @@ fn forks_of_a_running_sandbox_are_each_their_own_and_the_original_goes_on() {
     let all: serde_json::Value = serde_json::from_slice(&w.amvm(&["ls", "--json"]).stdout).unwrap();
     assert_eq!(all.as_array().unwrap().len(), 4);
 }
+
+#[test]
+fn an_overlay_workspace_s_changes_go_into_the_snapshot_and_each_copy_keeps_its_own() {
+    let w = World::new("snapshots", "overlay");
+    let ws = w.xdg.join("ws");
+    std::fs::create_dir_all(&ws).unwrap();
+    std::fs::write(ws.join("base"), "base\n").unwrap();
+    std::fs::write(ws.join("gone"), "to be deleted\n").unwrap();
+    let overlay = format!("{}:overlay", ws.display());
+    w.create(&["--name", "ov", "--mem", "256", "--workspace", &overlay]);
+    // Changes before the snapshot: a new file, an edit, a delete (a whiteout in the upper
+    // layer) and a read-only directory.
+    let changes = "echo parent > /workspace/p && echo edited > /workspace/base && \
+        rm /workspace/gone && mkdir -p /workspace/ro/d && echo in > /workspace/ro/d/f && \
+        chmod 555 /workspace/ro/d";
+    let o = w.exec("ov", &["sh", "-c", changes]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    let dir = w.xdg.join("snap");
+    let d = dir.to_str().unwrap();
+    let o = w.amvm(&["snapshot", "ov", d]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    // Paused for the copy of its changes, running again after.
+    assert_eq!(w.inspect("ov")["state"], "running");
+    assert_eq!(
+        w.exec("ov", &["sh", "-c", "echo later > /workspace/after"])
+            .code,
+        0
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("upper/p")).unwrap(),
+        "parent\n"
+    );
+
+    // A restore has the changes as they were at the snapshot, not the original's later ones.
+    let o = w.amvm(&["create", "--from", d, "--name", "r1"]);
+    assert_eq!(o.code, 0, "create --from: {}", o.stderr);
+    assert!(!o.stderr.contains("warning"), "{}", o.stderr);
+    let seen = "cat /workspace/p /workspace/base /workspace/ro/d/f; \
+        test -e /workspace/gone || echo gone; test -e /workspace/after || echo no-after";
+    assert_eq!(
+        line_of(&w, "r1", seen),
+        "parent\nedited\nin\ngone\nno-after"
+    );
+    assert_eq!(
+        w.exec("r1", &["sh", "-c", "echo r1 > /workspace/r1-own"])
+            .code,
+        0
+    );
+    let diff = |s: &str| {
+        let o = w.amvm(&["diff", s]);
+        assert_eq!(o.code, 0, "diff {s}: {}", o.stderr);
+        o.stdout_str().to_string()
+    };
+    let r1 = diff("r1");
+    for name in ["p", "base", "gone", "r1-own"] {
+        assert!(
+            r1.contains(&format!("/{name}")) || r1.contains(&format!(" {name}")),
+            "r1's diff lacks {name}:\n{r1}"
+        );
+    }
+    assert!(
+        !r1.contains("after"),
+        "r1's diff has the original's later change:\n{r1}"
+    );
+    assert!(
+        !diff("ov").contains("r1-own"),
+        "r1's change reached the original"
+    );
+
+    // Forks of an overlay sandbox: each keeps its own changes, not its siblings'.
+    let o = w.amvm(&["fork", "-n", "2", "r1"]);
+    assert_eq!(o.code, 0, "fork: {}", o.stderr);
+    let forks: Vec<String> = o.stdout_str().lines().map(str::to_string).collect();
+    assert_eq!(forks.len(), 2, "{}", o.stdout_str());
+    for (i, f) in forks.iter().enumerate() {
+        let o = w.exec(f, &["sh", "-c", &format!("echo {i} > /workspace/mine-{i}")]);
+        assert_eq!(o.code, 0, "{}", o.stderr);
+    }
+    for (i, f) in forks.iter().enumerate() {
+        let d = diff(f);
+        assert!(d.contains(&format!("mine-{i}")), "fork {i}:\n{d}");
+        assert!(
+            d.contains("r1-own"),
+            "fork {i} lost its parent's change:\n{d}"
+        );
+        assert!(
+            !d.contains(&format!("mine-{}", 1 - i)),
+            "fork {i} has its sibling's:\n{d}"
+        );
+    }
+    assert!(
+        !diff("r1").contains("mine-"),
+        "a fork's change reached its parent"
+    );
+
+    // The workspace changed on the host since the snapshot: the restore says so.
+    std::fs::write(ws.join("host-edit"), "new\n").unwrap();
+    let o = w.amvm(&["create", "--from", d, "--name", "r2"]);
+    assert_eq!(o.code, 0, "create --from: {}", o.stderr);
+    assert!(
+        o.stderr.contains("changed on the host since the snapshot"),
+        "{}",
+        o.stderr
+    );
+    // A snapshot of an overlay sandbox without its upper layer is refused, making nothing.
+    remove_upper(&dir);
+    let o = w.amvm(&["create", "--from", d]);
+    assert_eq!(o.code, 125, "{}", o.stderr);
+    assert!(o.stderr.contains("upper layer is missing"), "{}", o.stderr);
+    for s in ["ov", "r1", "r2", &forks[0], &forks[1]] {
+        let o = w.amvm(&["stop", s]);
+        assert_eq!(o.code, 0, "stop {s}: {}", o.stderr);
+    }
+}
+
+/// Take the upper layer out of a snapshot (its read-only directories made writable first).
+fn remove_upper(dir: &Path) {
+    let st = Command::new("chmod")
+        .args(["-R", "u+rwx"])
+        .arg(dir.join("upper"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    std::fs::remove_dir_all(dir.join("upper")).unwrap();
+}

@@ -302,6 +302,9 @@ pub struct Restore {
     pub memory: std::fs::File,
     /// The snapshot's next exec id: the restored sandbox's execs start there.
     pub next_exec_id: u64,
+    /// An overlay workspace's upper layer in the snapshot (`DIR/upper`): copied into the new
+    /// sandbox's scratch directory before its overlay is mounted.
+    pub upper: Option<PathBuf>,
 }
 
 /// Where `images/setup`, run as root, also installs the guest kernel and virtiofsd, for every

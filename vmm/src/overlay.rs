@@ -51,6 +51,8 @@ pub enum OverlayError {
     Changes(PathBuf, LayerError, PathBuf),
     #[error("writing the changes to {0}: {1} (the upper layer is kept in {2})")]
     ChangesIo(PathBuf, io::Error, PathBuf),
+    #[error("the snapshot's workspace changes: {0}")]
+    Restore(#[from] crate::snapshot::tree::TreeError),
 }
 
 fn hint(e: &io::Error) -> &'static str {
@@ -257,24 +259,13 @@ pub fn write_changes(scratch: &Path, file: &Path) -> Result<LayerReport, Overlay
 /// Remove the scratch directory; overlayfs leaves its work directory without permissions, so
 /// each directory is opened up before its contents go.
 pub fn remove_scratch(scratch: &Path) {
-    use std::os::unix::fs::PermissionsExt;
     // An `--overlay-size` tmpfs, where this process is in the namespace that has it: detached
     // (its memory freed) rather than emptied; elsewhere (EINVAL: not a mount point here) nothing.
     if let Ok(c) = CString::new(scratch.as_os_str().as_bytes()) {
         // SAFETY: umount2(2) of a NUL-terminated path; failure is harmless and ignored.
         unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
     }
-    let mut stack = vec![scratch.to_owned()];
-    while let Some(d) = stack.pop() {
-        let _ = std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o700));
-        if let Ok(entries) = std::fs::read_dir(&d) {
-            for e in entries.flatten() {
-                if e.file_type().is_ok_and(|t| t.is_dir()) {
-                    stack.push(e.path());
-                }
-            }
-        }
-    }
+    crate::snapshot::tree::make_removable(scratch);
     if let Err(e) = std::fs::remove_dir_all(scratch) {
         eprintln!(
             "amvm: could not remove the overlay's scratch directory {}: {e}",

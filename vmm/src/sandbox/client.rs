@@ -227,9 +227,13 @@ impl Sandbox {
     }
 
     /// Snapshot it into `dir`, a new directory (0700) holding `state` and `memory` (0600, the
-    /// memory file sparse: untouched guest RAM takes no disk) and `sandbox.json` (what it was
-    /// made with, and its kernel's SHA-256). The sandbox goes on as it was, or ends with
-    /// `stop`. On failure nothing is left of `dir`.
+    /// memory file sparse: untouched guest RAM takes no disk), `sandbox.json` (what it was
+    /// made with, its kernel's SHA-256, its workspace's fingerprint) and, with an overlay
+    /// workspace, `upper/` and `upper.json`: the overlay's upper layer (its special files and
+    /// extended attributes in the JSON), copied while the guest is paused (it is
+    /// paused for that, and resumed after, when it was running), so that it and the guest's
+    /// memory are of one instant. The sandbox goes on as it was, or ends with `stop`. On
+    /// failure nothing is left of `dir`.
     pub fn snapshot(&self, dir: &Path, stop: bool) -> Result<api::SnapshotAnswer, SandboxError> {
         use std::os::unix::fs::DirBuilderExt;
         let info = super::read_state(&self.dir)?;
@@ -247,9 +251,33 @@ impl Sandbox {
                 )),
                 _ => bad(format!("{}: {e}", dir.display())),
             })?;
-        let r = self.snapshot_into(dir, &info, stop);
+        let overlay = info.config.overlay_scratch.is_some();
+        let paused_here = overlay && info.state == "running";
+        let mut r = if paused_here {
+            self.pause().map(drop)
+        } else {
+            Ok(())
+        }
+        .and_then(|()| self.snapshot_into(dir, &info, stop && !overlay));
+        if overlay {
+            r = match r {
+                Ok(mut a) if stop => self.stop(0).map(|i| {
+                    a.sandbox = i;
+                    a
+                }),
+                Ok(mut a) if paused_here => self.resume().map(|i| {
+                    a.sandbox = i;
+                    a
+                }),
+                Err(e) if paused_here => {
+                    let _ = self.resume();
+                    Err(e)
+                }
+                r => r,
+            };
+        }
         if r.is_err() {
-            let _ = std::fs::remove_dir_all(dir);
+            crate::snapshot::tree::remove(dir);
         }
         r
     }
@@ -309,6 +337,31 @@ impl Sandbox {
         }
         use std::os::unix::fs::FileExt;
         let answer: api::SnapshotAnswer = self.json(&body)?;
+        // The overlay's upper layer, while the guest is still paused (`snapshot` paused it).
+        if let (Some(scratch), Some(_)) = (&info.config.overlay_scratch, &info.config.overlay_lower)
+        {
+            let seen = crate::overlay::scratch_seen_from_outside(
+                scratch,
+                info.config.overlay_size.is_some(),
+                info.pid,
+            );
+            let copied = crate::snapshot::tree::save(
+                &crate::overlay::upper(&seen),
+                &dir.join("upper"),
+                &dir.join("upper.json"),
+            )
+            .map_err(|e| SandboxError::Snapshot(format!("copying the workspace's changes: {e}")))?;
+            described["upper"] = serde_json::json!({
+                "entries": copied.entries,
+                "bytes": copied.bytes,
+            });
+        }
+        // What the workspace looks like on the host: a restore says so when it changed.
+        if let Some(w) = workspace_dir(&info.config) {
+            let f = crate::snapshot::tree::fingerprint(&w)
+                .map_err(|e| SandboxError::Snapshot(format!("the workspace: {e}")))?;
+            described["workspace"] = serde_json::json!({ "dir": w, "fingerprint": f });
+        }
         // Last: the mark of a finished snapshot, and where a restore's exec ids start.
         described["next_exec_id"] = answer.next_exec_id.into();
         let bytes = serde_json::to_vec_pretty(&described).expect("serializable");
@@ -512,6 +565,12 @@ impl Sandbox {
 }
 
 /// The SHA-256 of the file at `path`, hex.
+/// The host directory a sandbox's workspace is (its overlay's lower directory, or its plain
+/// `--workspace DIR`), if it has one.
+pub fn workspace_dir(c: &super::Config) -> Option<std::path::PathBuf> {
+    c.overlay_lower.clone().or_else(|| c.workspace.clone())
+}
+
 pub fn sha256_of(path: &Path) -> std::io::Result<String> {
     use sha2::{Digest, Sha256};
     let mut f = std::fs::File::open(path)?;

@@ -386,7 +386,7 @@ pub fn rm(force: bool, sandboxes: &[String]) -> bool {
 pub fn fork(sandbox: &str, n: u32) -> Result<Vec<String>, SandboxError> {
     let sb = Sandbox::open(sandbox)?;
     let dir = sb.dir().join(format!("fork-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    crate::snapshot::tree::remove(&dir);
     let made = (|| {
         sb.snapshot(&dir, false)?;
         let mut ids = Vec::with_capacity(n as usize);
@@ -403,6 +403,6 @@ pub fn fork(sandbox: &str, n: u32) -> Result<Vec<String>, SandboxError> {
         }
         Ok(ids)
     })();
-    let _ = std::fs::remove_dir_all(&dir);
+    crate::snapshot::tree::remove(&dir);
     made
 }

@@ -153,6 +153,9 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
     if let Some(w) = &was.workspace {
         flag("--workspace", w.clone().into());
     }
+    if let Some(size) = was.overlay_size {
+        flag("--overlay-size", size.to_string().into());
+    }
     if let Some(e) = vm.egress.as_ref().or(was.egress.as_ref()) {
         flag("--egress", e.clone().into());
     }
@@ -188,6 +191,9 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
         )),
         e => e,
     })?;
+    for w in &opened.warnings {
+        eprintln!("amvm: warning: {w}");
+    }
     let mut cfg = c.cfg;
     cfg.restore = Some(std::sync::Arc::new(opened.restore));
     create_from(cfg, c.config, c.name, c.labels, false)
@@ -222,7 +228,12 @@ pub(crate) fn check(
         mem_mib: args.vm.mem,
         cpus: args.vm.cpus,
         system: args.vm.system.clone(),
-        workspace: args.vm.workspace.clone(),
+        // Absolute: a snapshot's restore, from wherever it is run, makes it again.
+        workspace: args
+            .vm
+            .workspace
+            .as_ref()
+            .map(|w| std::path::absolute(w).unwrap_or_else(|_| w.clone())),
         egress: args.vm.egress.clone(),
         timeout_seconds: args.vm.timeout,
         overlay_lower: None,
@@ -269,7 +280,21 @@ pub fn create_from(
     // read it).
     let mut config = config;
     if let Some(ov) = cfg.overlay.as_mut() {
-        match crate::overlay::make_scratch(ov) {
+        let made = crate::overlay::make_scratch(ov).and_then(|s| {
+            // A restore's upper layer: the snapshot's, copied before the overlay is mounted.
+            let Some(from) = cfg.restore.as_ref().and_then(|r| r.upper.as_ref()) else {
+                return Ok(s);
+            };
+            let manifest = from.with_file_name("upper.json");
+            match crate::snapshot::tree::load(from, &manifest, &crate::overlay::upper(&s)) {
+                Ok(_) => Ok(s),
+                Err(e) => {
+                    crate::overlay::remove_scratch(&s);
+                    Err(crate::overlay::OverlayError::Restore(e))
+                }
+            }
+        });
+        match made {
             Ok(s) => {
                 ov.scratch = Some(s.clone());
                 config.overlay_lower = Some(ov.lower.clone());
@@ -1204,6 +1229,16 @@ async fn snapshot(
             format!(
                 "sandbox {} is {}: only a running or paused sandbox can be snapshotted",
                 info.id, info.state
+            ),
+        ));
+    }
+    if info.config.overlay_scratch.is_some() && info.state != "paused" {
+        return Err((
+            409,
+            format!(
+                "sandbox {} has an overlay workspace: pause it first, and copy its upper layer \
+                 while it is paused (amvm snapshot does both)",
+                info.id
             ),
         ));
     }

@@ -8,6 +8,7 @@
 pub mod format;
 pub mod restore;
 pub mod take;
+pub mod tree;
 
 use crate::vstate::vcpu::VcpuState;
 use crate::vstate::vm::VmState;

@@ -34,9 +34,9 @@ pub enum OpenError {
     )]
     Unfinished(PathBuf),
     #[error(
-        "{0}: the snapshot's sandbox had an overlay workspace, which a restore cannot carry yet"
+        "{0}: the snapshot's sandbox had an overlay workspace, but its upper layer is missing"
     )]
-    Overlay(PathBuf),
+    NoUpper(PathBuf),
 }
 
 /// What `sandbox.json` says of the snapshot.
@@ -47,6 +47,14 @@ struct Description {
     sandbox: Info,
     /// Written once the snapshot succeeded (its absence: an unfinished snapshot).
     next_exec_id: Option<u64>,
+    /// The workspace's host directory and what it looked like.
+    workspace: Option<Workspace>,
+}
+
+#[derive(serde::Deserialize)]
+struct Workspace {
+    dir: PathBuf,
+    fingerprint: super::tree::Fingerprint,
 }
 
 /// A snapshot, opened and checked: the sandbox it was (its settings) and what the VMM
@@ -54,6 +62,8 @@ struct Description {
 pub struct Opened {
     pub sandbox: Info,
     pub restore: Restore,
+    /// What the user should hear before the restore goes on (its workspace changed).
+    pub warnings: Vec<String>,
 }
 
 /// Open and check the snapshot in `dir`.
@@ -81,9 +91,11 @@ pub fn open(dir: &Path) -> Result<Opened, OpenError> {
     let Some(next_exec_id) = d.next_exec_id else {
         return Err(OpenError::Unfinished(dir.to_owned()));
     };
-    if d.sandbox.config.overlay_lower.is_some() {
-        return Err(OpenError::Overlay(dir.to_owned()));
-    }
+    let upper = match d.sandbox.config.overlay_lower {
+        Some(_) if path("upper").is_dir() && path("upper.json").is_file() => Some(path("upper")),
+        Some(_) => return Err(OpenError::NoUpper(dir.to_owned())),
+        None => None,
+    };
     let bytes = read("state", format::HEADER as u64 + format::MAX_BODY + 1)?;
     let state: MachineState =
         format::decode(&bytes).map_err(|e| OpenError::State(path("state"), e))?;
@@ -114,12 +126,29 @@ pub fn open(dir: &Path) -> Result<Opened, OpenError> {
             });
         }
     }
+    let mut warnings = Vec::new();
+    if let Some(w) = d.workspace {
+        // A missing workspace is the create's error (its share cannot be made).
+        if let Ok(now) = super::tree::fingerprint(&w.dir) {
+            if now != w.fingerprint {
+                warnings.push(format!(
+                    "the workspace {} changed on the host since the snapshot ({} entries then, \
+                     {} now): the restored guest may still hold what it read of it before",
+                    w.dir.display(),
+                    w.fingerprint.entries,
+                    now.entries
+                ));
+            }
+        }
+    }
     Ok(Opened {
         sandbox: d.sandbox,
         restore: Restore {
             state,
             memory,
             next_exec_id,
+            upper,
         },
+        warnings,
     })
 }
