@@ -16,6 +16,12 @@ With `amvm serve`'s socket (all of a user's sandboxes):
     amvm_api.py SOCKET rm [--force] SANDBOX
     amvm_api.py --sandbox SANDBOX SOCKET info|exec|put-archive|get-archive|pause|resume ...
                                                 (one sandbox's calls, through the server)
+    amvm_api.py --sandbox SANDBOX SOCKET snapshot DIR [--stop]
+                                                (the server writes DIR; prints its answer)
+    amvm_api.py --sandbox SANDBOX SOCKET fork [N]
+                                                (prints the new sandboxes)
+    amvm_api.py SOCKET create [--name NAME] -- --from DIR
+                                                (a sandbox from a snapshot)
 
 Frames (after `101 Switching Protocols`): kind (1 byte), length (u32 little-endian), payload.
 From the sandbox: 1 stdout, 2 stderr, 3 exit (1 byte). To it: 32 stdin, 33 end of stdin,
@@ -219,8 +225,14 @@ def main():
         args = sys.argv[3:]
         with_stdin = bool(args) and args[0] == "--stdin"
         exec_(path, args[1:] if with_stdin else args, with_stdin)
+    elif what == "snapshot" and len(sys.argv) in (4, 5) and PREFIX != "/v1":
+        body = {"dir": os.path.abspath(sys.argv[3]), "stop": sys.argv[4:] == ["--stop"]}
+        print(json.dumps(call(path, "POST", PREFIX + "/snapshot", body)))
     elif what == "snapshot" and len(sys.argv) in (4, 5):
         snapshot(path, sys.argv[3], sys.argv[4:] == ["--stop"])
+    elif what == "fork" and len(sys.argv) in (3, 4) and PREFIX != "/v1":
+        n = int(sys.argv[3]) if len(sys.argv) == 4 else 1
+        print(json.dumps(call(path, "POST", PREFIX + "/fork", {"n": n})))
     elif what in ("pause", "resume") and len(sys.argv) == 3:
         print(json.dumps(call(path, "POST", PREFIX + "/" + what)))
     elif what == "put-archive" and len(sys.argv) == 4:

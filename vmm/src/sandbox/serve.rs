@@ -37,6 +37,28 @@ pub struct CreateRequest {
     pub labels: BTreeMap<String, String>,
 }
 
+/// `POST /v1/sandboxes/ID/snapshot` through the server, which writes the files itself.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct SnapshotToRequest {
+    /// The snapshot's new directory: an absolute path the server (running as the same user)
+    /// makes.
+    pub dir: PathBuf,
+    #[serde(default)]
+    pub stop: bool,
+}
+
+/// `POST /v1/sandboxes/ID/fork`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ForkRequest {
+    /// How many (1 to 64; 1 when absent).
+    #[serde(default = "one")]
+    pub n: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
 /// Where `amvm serve` listens by default: `api.sock` beside this user's sandboxes.
 pub fn default_socket() -> PathBuf {
     super::base_dir().join("api.sock")
@@ -159,8 +181,12 @@ async fn connection(amvm: &Path, mut conn: UnixStream) -> Result<(), String> {
         Ok((p, q)) => (p.to_string(), q),
         Err(e) => return reply_error(&mut conn, 400, &e).await,
     };
+    // A snapshot or a fork is the server's own work (it opens the paths, forks the processes);
+    // everything else of a sandbox is its own socket's.
     if let Some((id, Some(more))) = sandbox_path(&path) {
-        return pass_through(conn, &head, id, more, rest).await;
+        if !(method == "POST" && matches!(more, "snapshot" | "fork")) {
+            return pass_through(conn, &head, id, more, rest).await;
+        }
     }
     let (body, _) = match read_body(&mut conn, &head, rest).await? {
         Some(Ok(b)) => b,
@@ -195,6 +221,32 @@ async fn connection(amvm: &Path, mut conn: UnixStream) -> Result<(), String> {
                 .await
                 .map(|id| (200, json(&serde_json::json!({ "removed": id }))))
         }
+        ("POST", Some((id, Some("snapshot")))) => match parse_body::<SnapshotToRequest>(&body) {
+            Ok(req) if !req.dir.is_absolute() => {
+                let e = format!("dir {}: say an absolute path", req.dir.display());
+                return reply_error(&mut conn, 400, &e).await;
+            }
+            Ok(req) => {
+                let id = id.to_string();
+                blocking(move || Sandbox::open(&id)?.snapshot(&req.dir, req.stop))
+                    .await
+                    .map(|a| (200, json(&a)))
+            }
+            Err(e) => return reply_error(&mut conn, 400, &e).await,
+        },
+        ("POST", Some((id, Some("fork")))) => match parse_body::<ForkRequest>(&body) {
+            Ok(req) if !(1..=64).contains(&req.n) => {
+                let e = format!("n {}: say 1 to 64", req.n);
+                return reply_error(&mut conn, 400, &e).await;
+            }
+            Ok(req) => {
+                let (amvm, id) = (amvm.to_owned(), id.to_string());
+                blocking(move || fork(&amvm, &id, req.n))
+                    .await
+                    .map(|l| (201, json(&l)))
+            }
+            Err(e) => return reply_error(&mut conn, 400, &e).await,
+        },
         _ if path == "/v1/sandboxes" || sandbox_path(&path).is_some() => {
             return reply_error(&mut conn, 405, &format!("{method} {path}: wrong method")).await
         }
@@ -220,6 +272,29 @@ fn create(amvm: &Path, req: &CreateRequest) -> Result<super::Info, SandboxError>
     for (k, v) in &req.labels {
         cmd.arg("--label").arg(format!("{k}={v}"));
     }
+    let id = child(amvm, cmd)?;
+    Sandbox::open(id.trim())?.info()
+}
+
+/// `amvm fork -n N ID` as a child process (a sandbox's supervisor must be forked from a process
+/// with one thread); the new sandboxes.
+fn fork(amvm: &Path, id: &str, n: u32) -> Result<Vec<super::Info>, SandboxError> {
+    // Said here, as the other calls on a sandbox say it: not as a failed create.
+    let sb = Sandbox::open(id)?;
+    let info = sb.info()?;
+    if !info.live() {
+        return Err(SandboxError::NotRunning(info.id, info.state));
+    }
+    let mut cmd = std::process::Command::new(amvm);
+    cmd.args(["fork", "-n", &n.to_string(), &info.id]);
+    child(amvm, cmd)?
+        .lines()
+        .map(|id| Sandbox::open(id.trim())?.info())
+        .collect()
+}
+
+/// Run `cmd` (amvm's own), its stdout; a failure is its last line on stderr.
+fn child(amvm: &Path, mut cmd: std::process::Command) -> Result<String, SandboxError> {
     let out = cmd
         .stdin(std::process::Stdio::null())
         .output()
@@ -234,8 +309,7 @@ fn create(amvm: &Path, req: &CreateRequest) -> Result<super::Info, SandboxError>
             .trim_start_matches("amvm: ");
         return Err(SandboxError::CreateFailed(line.to_string()));
     }
-    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    Sandbox::open(&id)?.info()
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 /// `amvm rm [-f] ID`: its id once removed.
