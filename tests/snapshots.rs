@@ -735,7 +735,20 @@ fn an_overlay_workspace_s_changes_go_into_the_snapshot_and_each_copy_keeps_its_o
     std::fs::write(ws.join("base"), "base\n").unwrap();
     std::fs::write(ws.join("gone"), "to be deleted\n").unwrap();
     let overlay = format!("{}:overlay", ws.display());
-    w.create(&["--name", "ov", "--mem", "256", "--workspace", &overlay]);
+    let egress = amvm_tests::egress_server::EgressServer::start(
+        "snapshots-overlay",
+        amvm_tests::egress_server::Pace::Fast,
+    );
+    w.create(&[
+        "--name",
+        "ov",
+        "--mem",
+        "256",
+        "--workspace",
+        &overlay,
+        "--egress",
+        egress.path_str(),
+    ]);
     // Changes before the snapshot: a new file, an edit, a delete (a whiteout in the upper
     // layer) and a read-only directory.
     let changes = "echo parent > /workspace/p && echo edited > /workspace/base && \
@@ -774,6 +787,9 @@ fn an_overlay_workspace_s_changes_go_into_the_snapshot_and_each_copy_keeps_its_o
             .code,
         0
     );
+    // Its egress works: a new stream through the restored vsock device, every byte there.
+    let down = "echo DOWN 100000 | busybox nc ${AMVM_EGRESS_ADDR%:*} ${AMVM_EGRESS_ADDR#*:} | wc -c";
+    assert_eq!(line_of(&w, "r1", down), "100000");
     let diff = |s: &str| {
         let o = w.amvm(&["diff", s]);
         assert_eq!(o.code, 0, "diff {s}: {}", o.stderr);
@@ -821,6 +837,13 @@ fn an_overlay_workspace_s_changes_go_into_the_snapshot_and_each_copy_keeps_its_o
         "a fork's change reached its parent"
     );
 
+    // The original's host-side processes killed outright: the snapshot does not need them.
+    let info = w.inspect("ov");
+    for pid in [&info["pid"], &info["vmm_pid"]] {
+        let pid = pid.as_u64().unwrap() as i32;
+        // SAFETY: kill(2) of a process of this test's own sandbox.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
     // The workspace changed on the host since the snapshot: the restore says so.
     std::fs::write(ws.join("host-edit"), "new\n").unwrap();
     let o = w.amvm(&["create", "--from", d, "--name", "r2"]);
@@ -830,12 +853,14 @@ fn an_overlay_workspace_s_changes_go_into_the_snapshot_and_each_copy_keeps_its_o
         "{}",
         o.stderr
     );
+    assert_eq!(line_of(&w, "r2", "cat /workspace/p"), "parent");
+    assert_ne!(w.inspect("ov")["state"], "running");
     // A snapshot of an overlay sandbox without its upper layer is refused, making nothing.
     remove_upper(&dir);
     let o = w.amvm(&["create", "--from", d]);
     assert_eq!(o.code, 125, "{}", o.stderr);
     assert!(o.stderr.contains("upper layer is missing"), "{}", o.stderr);
-    for s in ["ov", "r1", "r2", &forks[0], &forks[1]] {
+    for s in ["r1", "r2", &forks[0], &forks[1]] {
         let o = w.amvm(&["stop", s]);
         assert_eq!(o.code, 0, "stop {s}: {}", o.stderr);
     }
