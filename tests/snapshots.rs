@@ -788,7 +788,8 @@ fn an_overlay_workspace_s_changes_go_into_the_snapshot_and_each_copy_keeps_its_o
         0
     );
     // Its egress works: a new stream through the restored vsock device, every byte there.
-    let down = "echo DOWN 100000 | busybox nc ${AMVM_EGRESS_ADDR%:*} ${AMVM_EGRESS_ADDR#*:} | wc -c";
+    let down =
+        "echo DOWN 100000 | busybox nc ${AMVM_EGRESS_ADDR%:*} ${AMVM_EGRESS_ADDR#*:} | wc -c";
     assert_eq!(line_of(&w, "r1", down), "100000");
     let diff = |s: &str| {
         let o = w.amvm(&["diff", s]);

@@ -172,16 +172,34 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         memory::Backing::HugeTmpfs => "guest memory created (huge-page tmpfs)",
         memory::Backing::Memfd => "guest memory created (memfd)",
     });
-    // A restore: the snapshot must fit this machine, and its RAM (its data only) goes in now.
+    // A restore: the snapshot must fit this machine, and its RAM (its data only) goes in on a
+    // thread of its own (filtered as this one will be) while the shares' backends start and
+    // handshake; it is joined before any vCPU or device is restored, so nothing reads guest
+    // memory before it is whole (the handshakes only map it).
     let restore = cfg.restore.as_deref();
-    if let Some(r) = restore {
-        check_restore(cfg, &r.state)?;
-        let (ram, len) = memory::backing(&mem)
-            .ok_or_else(|| RunError::Restore("guest memory is not file-backed".into()))?;
-        memory::copy_sparse(&r.memory, ram, len)
-            .map_err(|e| RunError::Restore(format!("reading its memory file: {e}")))?;
-        t.mark("guest memory restored");
-    }
+    let mut ram_copy = match restore {
+        Some(r) => {
+            check_restore(cfg, &r.state)?;
+            let (ram, len) = memory::backing(&mem)
+                .ok_or_else(|| RunError::Restore("guest memory is not file-backed".into()))?;
+            let dup = |f: &std::fs::File| {
+                f.try_clone()
+                    .map_err(|e| RunError::Restore(format!("its memory file: {e}")))
+            };
+            let (from, to) = (dup(&r.memory)?, dup(ram)?);
+            let p = policy.clone();
+            let copier = std::thread::Builder::new()
+                .name("ram restore".into())
+                .spawn(move || {
+                    p.apply(ThreadKind::Vmm).map_err(|e| e.to_string())?;
+                    memory::copy_sparse(&from, &to, len)
+                        .map_err(|e| format!("reading its memory file: {e}"))
+                })
+                .map_err(|e| RunError::Restore(format!("a thread for its RAM: {e}")))?;
+            Some(copier)
+        }
+        None => None,
+    };
     // The shares' backends: every virtiofsd is started now, and each is handshaken once guest
     // memory and the kernel are loaded (their start-up overlaps that work), so a share that
     // cannot be served still fails the run before the guest exists. They are killed when
@@ -345,6 +363,13 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         )?;
     }
 
+    if let Some(copier) = ram_copy.take() {
+        copier
+            .join()
+            .map_err(|_| RunError::Restore("the copy of its RAM panicked".into()))?
+            .map_err(RunError::Restore)?;
+        t.mark("guest memory restored");
+    }
     // vCPUs: all configured before any runs; vCPU 0 boots, the others wait for the guest's SIPI
     // (or each continues where the snapshot has it).
     let mut vcpus = Vec::with_capacity(cfg.cpus.into());

@@ -116,8 +116,8 @@ pub fn open(dir: &Path) -> Result<Opened, OpenError> {
         });
     }
     if let (Some(k), Some(was)) = (&d.sandbox.config.kernel, &d.kernel_sha256) {
-        let now =
-            crate::sandbox::client::sha256_of(k).map_err(|e| OpenError::Kernel(k.clone(), e))?;
+        let now = crate::sandbox::client::sha256_remembered(k)
+            .map_err(|e| OpenError::Kernel(k.clone(), e))?;
         if &now != was {
             return Err(OpenError::OtherKernel {
                 path: k.clone(),
