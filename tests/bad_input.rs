@@ -219,3 +219,54 @@ fn bad_shares_are_refused_before_anything_starts() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_gateway_with_bad_rules_says_which_and_leaves_no_socket() {
+    let dir = scratch();
+    let sock = dir.0.join("gw.sock");
+    let s = sock.to_str().unwrap();
+    let o = amvm(["gateway", "--listen", s], &[]);
+    assert_one_line_125(&o, "no --allow rule");
+    let o = amvm(
+        [
+            "gateway",
+            "--listen",
+            s,
+            "--allow",
+            "https://api.example.com",
+        ],
+        &[],
+    );
+    assert_one_line_125(&o, "--allow https://api.example.com");
+    let key = dir.0.join("key");
+    std::fs::write(&key, "sk-never-shown\n").unwrap();
+    let cred = format!("other.example=header:x-api-key:@{}", key.display());
+    let o = amvm(
+        [
+            "gateway",
+            "--listen",
+            s,
+            "--allow",
+            "api.example.com",
+            "--credential",
+            &cred,
+        ],
+        &[],
+    );
+    assert_one_line_125(&o, "no --allow rule");
+    assert!(!o.stderr.contains("sk-never-shown"), "{o:?}");
+    let o = amvm(
+        [
+            "gateway",
+            "--listen",
+            s,
+            "--allow",
+            "api.example.com",
+            "--ca",
+            "/nowhere.pem",
+        ],
+        &[],
+    );
+    assert_one_line_125(&o, "/nowhere.pem");
+    assert!(!sock.exists(), "a refused gateway left its socket");
+}

@@ -4,6 +4,7 @@
 //! (`--egress-log FILE`: one JSON line per HTTP/1.x request as it is sent, and one per stream
 //! when it closes). It knows unix sockets, never virtio.
 
+pub mod gateway;
 pub mod http;
 
 use std::fs::File;

@@ -7,6 +7,36 @@ use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+#[derive(Debug, clap::Args)]
+pub struct GatewayArgs {
+    /// The unix socket to serve (made 0600): what sandboxes are given as `--egress`.
+    #[arg(long, value_name = "SOCK")]
+    pub listen: PathBuf,
+    /// An upstream that may be reached: `HOST` (port 443), `HOST:PORT`, or `NAME=HOST[:PORT]`,
+    /// whose name also routes `http://$AMVM_EGRESS_ADDR/NAME/...` there. Repeatable.
+    #[arg(long, value_name = "RULE")]
+    pub allow: Vec<String>,
+    /// `HOST=header:NAME:@FILE`: add header NAME, its value FILE's first line, to every
+    /// request forwarded to HOST (an allowed one). Repeatable.
+    #[arg(long, value_name = "SPEC")]
+    pub credential: Vec<String>,
+    /// PEM certificates to trust besides the webpki roots (a private CA).
+    #[arg(long, value_name = "FILE")]
+    pub ca: Option<PathBuf>,
+    /// Append the audit log (one JSON line per request or tunnel) to FILE instead of stdout.
+    #[arg(long, value_name = "FILE")]
+    pub log: Option<PathBuf>,
+    /// Requests and tunnels open at once; more get 503.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_streams: usize,
+    /// A request body larger than this many bytes gets 413.
+    #[arg(long, value_name = "BYTES", default_value_t = 32 << 20)]
+    pub max_request_bytes: u64,
+    /// Close a tunnel, or give up on an upstream, after this many seconds without a byte.
+    #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout: u64,
+}
+
 /// The workload's default task limit: room for builds and test runners with many threads,
 /// while a fork bomb stops long before it exhausts a small guest.
 pub const DEFAULT_PIDS: u32 = 4096;
@@ -37,6 +67,10 @@ pub enum Command {
         #[arg(long, value_name = "PATH")]
         socket: Option<PathBuf>,
     },
+    /// Be an egress for sandboxes (`--egress SOCK`): HTTP to allowed upstreams over TLS, with
+    /// credentials added on the host, and CONNECT tunnels to allowed hosts; every request
+    /// audited. Runs until SIGINT or SIGTERM: docs/usage.md.
+    Gateway(GatewayArgs),
     /// Run COMMAND in a running sandbox; exit with its status.
     Exec(ExecArgs),
     /// Copy a file or tree into or out of a sandbox: `cp HOSTPATH SANDBOX:/PATH` or `cp

@@ -79,6 +79,7 @@ fn main() -> ExitCode {
         Command::Serve { socket } => {
             sandbox_result(amvm::sandbox::serve::serve(socket).map(|()| ExitCode::SUCCESS))
         }
+        Command::Gateway(args) => gateway(args),
         Command::Exec(args) => sandbox_result(amvm::sandbox::commands::exec(args).map(|code| {
             let _ = std::io::stdout().flush();
             ExitCode::from(code)
@@ -259,6 +260,61 @@ fn apply(args: amvm::cli::ApplyArgs) -> ExitCode {
 }
 
 /// A sandbox command's end: its own status, or one line and 125.
+/// `amvm gateway`: serve until SIGINT, SIGTERM or SIGHUP, then remove the socket.
+fn gateway(args: amvm::cli::GatewayArgs) -> ExitCode {
+    use amvm_egress::gateway::{bind, Gateway, Options};
+    let opts = Options {
+        listen: args.listen,
+        allow: args.allow,
+        credentials: args.credential,
+        ca: args.ca,
+        log: args.log,
+        max_streams: args.max_streams,
+        max_request_bytes: args.max_request_bytes,
+        idle_timeout: std::time::Duration::from_secs(args.idle_timeout),
+    };
+    let fail = |e: &dyn std::fmt::Display| {
+        eprintln!("amvm: gateway: {e}");
+        ExitCode::from(exit::AMVM_FAILURE)
+    };
+    if opts.allow.is_empty() {
+        return fail(&"no --allow rule: nothing could go through");
+    }
+    let gw = match Gateway::new(&opts) {
+        Ok(g) => g,
+        Err(e) => return fail(&e),
+    };
+    // Blocked before any thread starts (they inherit the mask); a thread waits for them.
+    let signals = match amvm::signals::Signals::block() {
+        Ok(s) => s,
+        Err(e) => return fail(&format!("blocking signals: {e}")),
+    };
+    let listener = match bind(&opts.listen) {
+        Ok(l) => l,
+        Err(e) => return fail(&e),
+    };
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let _ = signals.wait();
+        let _ = tx.send(());
+    });
+    let stop = async move {
+        // The runtime's own blocking pool waits for the signal thread's word.
+        let _ = tokio::task::spawn_blocking(move || rx.recv()).await;
+    };
+    eprintln!(
+        "amvm: gateway on {} for {}",
+        opts.listen.display(),
+        opts.allow.join(", ")
+    );
+    let r = gw.serve(listener, stop);
+    let _ = std::fs::remove_file(&opts.listen);
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => fail(&e),
+    }
+}
+
 fn sandbox_result(r: Result<ExitCode, amvm::sandbox::SandboxError>) -> ExitCode {
     r.unwrap_or_else(|e| {
         eprintln!("amvm: {e}");

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""A TLS upstream for amvm gateway's tests: Python's http.server behind its ssl module, on
+127.0.0.1 (a real TLS server with a certificate the test's own CA signed).
+
+    tls_upstream.py CERT KEY PORTFILE RECORDS GOFILE
+
+Writes its port to PORTFILE once it listens. Each request's method, path and headers go to
+RECORDS, one JSON line each. Paths:
+  /v1/messages  server-sent events, chunked: one event, then (once GOFILE exists) four more and
+                the end; 401 unless the x-api-key header is the one in $UPSTREAM_KEY
+  /echo         the request body back
+  /die          chunked: one chunk, then the connection is cut without the last chunk
+"""
+
+import http.server
+import json
+import os
+import ssl
+import sys
+import threading
+import time
+
+cert, key, portfile, records, gofile = sys.argv[1:6]
+lock = threading.Lock()
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+    def record(self):
+        with lock, open(records, "a") as f:
+            f.write(json.dumps({"method": self.command, "path": self.path,
+                                "headers": [[k.lower(), v] for k, v in self.headers.items()]}) + "\n")
+
+    def body(self):
+        n = int(self.headers.get("content-length") or 0)
+        return self.rfile.read(n) if n else b""
+
+    def chunk(self, data):
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+    def handle_one(self):
+        self.record()
+        data = self.body()
+        if self.path == "/echo":
+            self.send_response(200)
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        if self.path == "/v1/messages":
+            if self.headers.get("x-api-key") != os.environ["UPSTREAM_KEY"]:
+                self.send_response(401)
+                self.send_header("content-length", "0")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream")
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            self.chunk(b"event: first\ndata: 0\n\n")
+            until = time.monotonic() + 60
+            while not os.path.exists(gofile) and time.monotonic() < until:
+                time.sleep(0.02)
+            for i in range(1, 5):
+                self.chunk(b"event: more\ndata: %d\n\n" % i)
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        if self.path == "/die":
+            self.send_response(200)
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            self.chunk(b"partial")
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        self.send_response(404)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = handle_one
+
+
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(cert, key)
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+server.daemon_threads = True
+server.socket = ctx.wrap_socket(server.socket, server_side=True)
+with open(portfile + ".tmp", "w") as f:
+    f.write(str(server.server_address[1]))
+os.rename(portfile + ".tmp", portfile)
+server.serve_forever()
