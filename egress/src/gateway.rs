@@ -162,8 +162,21 @@ pub struct Options {
     pub idle_timeout: Duration,
 }
 
+/// An upstream connection's sending half, kept for the next request to the same upstream.
+type Sender = hyper::client::conn::http1::SendRequest<GwBody>;
+
+/// An upstream: host and port.
+type Upstream = (String, u16);
+
+/// Idle upstream connections are kept this long, this many per upstream.
+const POOL_IDLE: Duration = Duration::from_secs(30);
+const POOL_PER_UPSTREAM: usize = 16;
+
 /// The gateway, checked and ready to serve.
 pub struct Gateway {
+    /// Idle upstream connections (TLS done), by host and port: a request reuses one instead of
+    /// paying a TLS handshake.
+    pool: Mutex<std::collections::HashMap<Upstream, Vec<(Sender, Instant)>>>,
     allow: Vec<Allow>,
     credentials: Vec<Credential>,
     /// Every credential's value, to scrub from error texts.
@@ -242,6 +255,7 @@ impl Gateway {
             None => Box::new(io::stdout()),
         };
         Ok(Gateway {
+            pool: Mutex::default(),
             allow,
             credentials,
             secrets,
@@ -573,7 +587,7 @@ impl Gateway {
             .boxed();
         let upstream_req = Request::from_parts(parts, body);
         let answer = tokio::time::timeout(self.idle_timeout, self.send(&rule, upstream_req)).await;
-        let response = match answer {
+        let (response, sender) = match answer {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 return self.failed(rec, started, format!("{}:{}: {e}", rule.host, rule.port))
@@ -591,6 +605,7 @@ impl Gateway {
         strip_hop_by_hop(&mut parts.headers);
         let body = Counted {
             inner: body,
+            back: Some(((rule.host.clone(), rule.port), sender)),
             down: 0,
             up,
             rec: Some(rec),
@@ -601,11 +616,57 @@ impl Gateway {
         Response::from_parts(parts, body.boxed())
     }
 
+    /// An idle connection to `key`'s upstream that can take a request now, if one is kept.
+    fn take(&self, key: &Upstream) -> Option<Sender> {
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        let idle = pool.get_mut(key)?;
+        while let Some((s, since)) = idle.pop() {
+            if since.elapsed() < POOL_IDLE && s.is_ready() {
+                return Some(s);
+            }
+        }
+        None
+    }
+
+    /// Keep a connection whose last answer was read whole, for the next request.
+    fn give(&self, key: Upstream, s: Sender) {
+        if s.is_closed() {
+            return;
+        }
+        let mut pool = self.pool.lock().unwrap_or_else(|p| p.into_inner());
+        let idle = pool.entry(key).or_default();
+        idle.retain(|(s, since)| since.elapsed() < POOL_IDLE && !s.is_closed());
+        if idle.len() < POOL_PER_UPSTREAM {
+            idle.push((s, Instant::now()));
+        }
+    }
+
+    /// Send `req` to the rule's upstream: on a kept connection when one is idle (a request it
+    /// could not take, never sent, goes on a new one), else on a new connection. The answer,
+    /// and the connection to give back once the answer's body is read.
     async fn send(
         &self,
         rule: &Allow,
-        req: Request<BoxBody<Bytes, io::Error>>,
-    ) -> Result<Response<Incoming>, String> {
+        req: Request<GwBody>,
+    ) -> Result<(Response<Incoming>, Sender), String> {
+        let key = (rule.host.clone(), rule.port);
+        let mut req = req;
+        if let Some(mut s) = self.take(&key) {
+            match s.try_send_request(req).await {
+                Ok(r) => return Ok((r, s)),
+                Err(mut e) => match e.take_message() {
+                    Some(r) => req = r,
+                    None => return Err(chain(&e.into_error())),
+                },
+            }
+        }
+        let mut s = self.open(rule).await?;
+        let r = s.send_request(req).await.map_err(|e| chain(&e))?;
+        Ok((r, s))
+    }
+
+    /// A new connection to the rule's upstream: TCP, TLS (its certificate verified), HTTP/1.1.
+    async fn open(&self, rule: &Allow) -> Result<Sender, String> {
         let tcp = tokio::net::TcpStream::connect((rule.host.as_str(), rule.port))
             .await
             .map_err(|e| e.to_string())?;
@@ -616,7 +677,7 @@ impl Gateway {
             .connect(name, tcp)
             .await
             .map_err(|e| format!("TLS: {e}"))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
             .await
             .map_err(|e| e.to_string())?;
         tokio::spawn(async move {
@@ -624,16 +685,19 @@ impl Gateway {
                 tracing::debug!("an upstream connection: {e}");
             }
         });
-        sender.send_request(req).await.map_err(|e| {
-            let mut text = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                text.push_str(&format!(": {s}"));
-                src = s.source();
-            }
-            text
-        })
+        Ok(sender)
     }
+}
+
+/// An error and its causes, on one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut src = e.source();
+    while let Some(s) = src {
+        text.push_str(&format!(": {s}"));
+        src = s.source();
+    }
+    text
 }
 
 type GwBody = BoxBody<Bytes, io::Error>;
@@ -711,6 +775,8 @@ struct Record {
 /// ends (or is dropped: the guest went away), with the stream's permit released then.
 struct Counted {
     inner: Incoming,
+    /// The connection it came on, given back to the pool once the body is read whole.
+    back: Option<(Upstream, Sender)>,
     down: u64,
     up: Arc<AtomicU64>,
     rec: Option<Record>,
@@ -731,6 +797,16 @@ impl Counted {
     }
 }
 
+impl Counted {
+    /// Read whole: its connection back to the pool, its record written.
+    fn ended(&mut self) {
+        if let Some((key, s)) = self.back.take() {
+            self.gateway.give(key, s);
+        }
+        self.finish(None);
+    }
+}
+
 impl Body for Counted {
     type Data = Bytes;
     type Error = io::Error;
@@ -744,6 +820,10 @@ impl Body for Counted {
                 if let Some(d) = f.data_ref() {
                     self.down += d.len() as u64;
                 }
+                // A body of known length is not polled past its last byte: it ends here.
+                if self.inner.is_end_stream() {
+                    self.ended();
+                }
                 Poll::Ready(Some(Ok(f)))
             }
             Poll::Ready(Some(Err(e))) => {
@@ -752,7 +832,7 @@ impl Body for Counted {
                 Poll::Ready(Some(Err(io::Error::other(self.gateway.scrub(text)))))
             }
             Poll::Ready(None) => {
-                self.finish(None);
+                self.ended();
                 Poll::Ready(None)
             }
             Poll::Pending => Poll::Pending,
@@ -770,7 +850,12 @@ impl Body for Counted {
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.finish(Some("the guest closed the stream before its end".into()));
+        if self.inner.is_end_stream() {
+            // An empty body, never polled.
+            self.ended();
+        } else {
+            self.finish(Some("the guest closed the stream before its end".into()));
+        }
     }
 }
 

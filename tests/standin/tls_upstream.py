@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """A TLS upstream for amvm gateway's tests: Python's http.server behind its ssl module, on
-127.0.0.1 (a real TLS server with a certificate the test's own CA signed).
+127.0.0.1 (a real TLS server with a certificate the test's own CA signed). Keeps connections
+alive (HTTP/1.1); each new connection is a line in RECORDS.connections.
 
     tls_upstream.py CERT KEY PORTFILE RECORDS GOFILE
 
@@ -29,6 +30,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+    def setup(self):
+        super().setup()
+        with lock, open(records + ".connections", "a") as f:
+            f.write("1\n")
 
     def record(self):
         with lock, open(records, "a") as f:
