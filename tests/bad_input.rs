@@ -268,5 +268,15 @@ fn a_gateway_with_bad_rules_says_which_and_leaves_no_socket() {
         &[],
     );
     assert_one_line_125(&o, "/nowhere.pem");
+    let conf = dir.0.join("gw.toml");
+    std::fs::write(
+        &conf,
+        "listen = \"gw.sock\"\nalow = [\"api.example.com\"]\n",
+    )
+    .unwrap();
+    let o = amvm(["gateway", "--config", conf.to_str().unwrap()], &[]);
+    assert_one_line_125(&o, "alow");
+    let o = amvm(["gateway", "--allow", "api.example.com"], &[]);
+    assert_one_line_125(&o, "--listen");
     assert!(!sock.exists(), "a refused gateway left its socket");
 }

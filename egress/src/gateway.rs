@@ -45,6 +45,8 @@ pub enum GatewayError {
     InUse(PathBuf),
     #[error("the gateway's runtime: {0}")]
     Runtime(io::Error),
+    #[error("--config {0}: {1}")]
+    Config(PathBuf, String),
 }
 
 /// One `--allow [NAME=]HOST[:PORT]` rule (port 443 unless given).
@@ -171,6 +173,87 @@ type Upstream = (String, u16);
 /// Idle upstream connections are kept this long, this many per upstream.
 const POOL_IDLE: Duration = Duration::from_secs(30);
 const POOL_PER_UPSTREAM: usize = 16;
+
+/// `--config FILE`: the same settings as a TOML file. Every key is optional; the command
+/// line's `--allow` and `--credential` add to the file's, its other flags win over the file.
+///
+/// ```toml
+/// listen = "/run/amvm/gateway.sock"
+/// allow = ["anthropic=api.anthropic.com", "registry.npmjs.org"]
+/// ca = "/etc/amvm/private-ca.pem"
+/// log = "/var/log/amvm/gateway.jsonl"
+/// max_streams = 64
+/// max_request_bytes = 33554432
+/// idle_timeout = 300
+///
+/// [[credential]]
+/// host = "api.anthropic.com"
+/// header = "x-api-key"
+/// file = "/etc/amvm/anthropic.key"
+/// ```
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    pub listen: Option<PathBuf>,
+    #[serde(default)]
+    pub allow: Vec<String>,
+    #[serde(default)]
+    pub credential: Vec<CredentialEntry>,
+    pub ca: Option<PathBuf>,
+    pub log: Option<PathBuf>,
+    pub max_streams: Option<usize>,
+    pub max_request_bytes: Option<u64>,
+    pub idle_timeout: Option<u64>,
+}
+
+/// One `[[credential]]` of a config file: `--credential HOST=header:HEADER:@FILE`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CredentialEntry {
+    pub host: String,
+    pub header: String,
+    pub file: PathBuf,
+}
+
+impl ConfigFile {
+    /// Read and check `path` (a relative path in it is relative to the file's directory).
+    pub fn read(path: &Path) -> Result<ConfigFile, GatewayError> {
+        let bad = |why: String| GatewayError::Config(path.to_owned(), why);
+        let text = std::fs::read_to_string(path).map_err(|e| bad(e.to_string()))?;
+        // One line: where, and what (toml's own text draws the line with a caret).
+        let mut c: ConfigFile = toml::from_str(&text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|s| 1 + text[..s.start.min(text.len())].matches('\n').count());
+            let what = e.message().trim().replace('\n', " ");
+            bad(match line {
+                Some(l) => format!("line {l}: {what}"),
+                None => what,
+            })
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        c.listen.as_mut().map(fix);
+        c.ca.as_mut().map(fix);
+        c.log.as_mut().map(fix);
+        for e in &mut c.credential {
+            fix(&mut e.file);
+        }
+        Ok(c)
+    }
+
+    /// The file's credentials in `--credential`'s form.
+    pub fn credential_args(&self) -> Vec<String> {
+        self.credential
+            .iter()
+            .map(|e| format!("{}=header:{}:@{}", e.host, e.header, e.file.display()))
+            .collect()
+    }
+}
 
 /// The gateway, checked and ready to serve.
 pub struct Gateway {
@@ -993,6 +1076,34 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("/nowhere"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_config_file_reads_with_paths_beside_it_and_refuses_unknown_keys() {
+        let dir = std::env::temp_dir().join(format!("amvm-gw-conf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("gw.toml");
+        std::fs::write(
+            &f,
+            "listen = \"gw.sock\"\nallow = [\"a=api.x.com\", \"npm.org:8443\"]\nidle_timeout = 9\n\
+             [[credential]]\nhost = \"api.x.com\"\nheader = \"x-api-key\"\nfile = \"key\"\n",
+        )
+        .unwrap();
+        let c = ConfigFile::read(&f).unwrap();
+        assert_eq!(c.listen.as_deref(), Some(dir.join("gw.sock").as_path()));
+        assert_eq!(c.allow, ["a=api.x.com", "npm.org:8443"]);
+        assert_eq!(c.idle_timeout, Some(9));
+        assert_eq!(
+            c.credential_args(),
+            [format!(
+                "api.x.com=header:x-api-key:@{}",
+                dir.join("key").display()
+            )]
+        );
+        std::fs::write(&f, "allow = [\"a.com\"]\nallwo = [\"b.com\"]\n").unwrap();
+        let e = ConfigFile::read(&f).err().unwrap().to_string();
+        assert!(e.contains("allwo"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

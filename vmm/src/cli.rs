@@ -9,9 +9,14 @@ use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct GatewayArgs {
+    /// The settings as a TOML file (the same names: listen, allow, [[credential]] host, header
+    /// and file, ca, log, max_streams, max_request_bytes, idle_timeout); flags add to its
+    /// rules and win over its other settings.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// The unix socket to serve (made 0600): what sandboxes are given as `--egress`.
     #[arg(long, value_name = "SOCK")]
-    pub listen: PathBuf,
+    pub listen: Option<PathBuf>,
     /// An upstream that may be reached: `HOST` (port 443), `HOST:PORT`, or `NAME=HOST[:PORT]`,
     /// whose name also routes `http://$AMVM_EGRESS_ADDR/NAME/...` there. Repeatable.
     #[arg(long, value_name = "RULE")]
@@ -26,15 +31,16 @@ pub struct GatewayArgs {
     /// Append the audit log (one JSON line per request or tunnel) to FILE instead of stdout.
     #[arg(long, value_name = "FILE")]
     pub log: Option<PathBuf>,
-    /// Requests and tunnels open at once; more get 503.
-    #[arg(long, value_name = "N", default_value_t = 64)]
-    pub max_streams: usize,
-    /// A request body larger than this many bytes gets 413.
-    #[arg(long, value_name = "BYTES", default_value_t = 32 << 20)]
-    pub max_request_bytes: u64,
-    /// Close a tunnel, or give up on an upstream, after this many seconds without a byte.
-    #[arg(long, value_name = "SECONDS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
-    pub idle_timeout: u64,
+    /// Requests and tunnels open at once; more get 503 (default 64).
+    #[arg(long, value_name = "N")]
+    pub max_streams: Option<usize>,
+    /// A request body larger than this many bytes gets 413 (default 32 MiB).
+    #[arg(long, value_name = "BYTES")]
+    pub max_request_bytes: Option<u64>,
+    /// Close a tunnel, or give up on an upstream, after this many seconds without a byte
+    /// (default 300).
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
+    pub idle_timeout: Option<u64>,
 }
 
 /// The workload's default task limit: room for builds and test runners with many threads,

@@ -262,20 +262,39 @@ fn apply(args: amvm::cli::ApplyArgs) -> ExitCode {
 /// A sandbox command's end: its own status, or one line and 125.
 /// `amvm gateway`: serve until SIGINT, SIGTERM or SIGHUP, then remove the socket.
 fn gateway(args: amvm::cli::GatewayArgs) -> ExitCode {
-    use amvm_egress::gateway::{bind, Gateway, Options};
-    let opts = Options {
-        listen: args.listen,
-        allow: args.allow,
-        credentials: args.credential,
-        ca: args.ca,
-        log: args.log,
-        max_streams: args.max_streams,
-        max_request_bytes: args.max_request_bytes,
-        idle_timeout: std::time::Duration::from_secs(args.idle_timeout),
-    };
+    use amvm_egress::gateway::{bind, ConfigFile, Gateway, Options};
     let fail = |e: &dyn std::fmt::Display| {
         eprintln!("amvm: gateway: {e}");
         ExitCode::from(exit::AMVM_FAILURE)
+    };
+    let file = match args.config.as_deref().map(ConfigFile::read).transpose() {
+        Ok(f) => f.unwrap_or_default(),
+        Err(e) => return fail(&e),
+    };
+    let Some(listen) = args.listen.or(file.listen.clone()) else {
+        return fail(&"no socket to listen on: give --listen SOCK (or listen in --config)");
+    };
+    let opts = Options {
+        listen,
+        allow: file.allow.iter().cloned().chain(args.allow).collect(),
+        credentials: file
+            .credential_args()
+            .into_iter()
+            .chain(args.credential)
+            .collect(),
+        ca: args.ca.or(file.ca),
+        log: args.log.or(file.log),
+        max_streams: args.max_streams.or(file.max_streams).unwrap_or(64),
+        max_request_bytes: args
+            .max_request_bytes
+            .or(file.max_request_bytes)
+            .unwrap_or(32 << 20),
+        idle_timeout: std::time::Duration::from_secs(
+            args.idle_timeout
+                .or(file.idle_timeout)
+                .unwrap_or(300)
+                .max(1),
+        ),
     };
     if opts.allow.is_empty() {
         return fail(&"no --allow rule: nothing could go through");
