@@ -507,7 +507,10 @@ impl Gateway {
         )
         .await
         {
-            Ok(Ok(s)) => s,
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                s
+            }
             Ok(Err(e)) => return self.failed(rec, started, format!("{host}:{port}: {e}")),
             Err(_) => return self.failed(rec, started, format!("{host}:{port}: no answer")),
         };
@@ -753,6 +756,9 @@ impl Gateway {
         let tcp = tokio::net::TcpStream::connect((rule.host.as_str(), rule.port))
             .await
             .map_err(|e| e.to_string())?;
+        // A request's head and body are separate writes: Nagle would hold the second for the
+        // upstream's delayed ACK.
+        let _ = tcp.set_nodelay(true);
         let name = rustls::pki_types::ServerName::try_from(rule.host.clone())
             .map_err(|e| e.to_string())?;
         let tls = self

@@ -11,6 +11,7 @@ RECORDS, one JSON line each. Paths:
                 the end; 401 unless the x-api-key header is the one in $UPSTREAM_KEY
   /echo         the request body back
   /die          chunked: one chunk, then the connection is cut without the last chunk
+  /bytes/N      N bytes (a fixed pattern), with their length
 """
 
 import http.server
@@ -27,6 +28,9 @@ lock = threading.Lock()
 
 class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Head and body go out as separate writes: without this, Nagle holds the body for the
+    # client's delayed ACK (40 ms a request).
+    disable_nagle_algorithm = True
 
     def log_message(self, *args):
         pass
@@ -75,6 +79,17 @@ class Handler(http.server.BaseHTTPRequestHandler):
             for i in range(1, 5):
                 self.chunk(b"event: more\ndata: %d\n\n" % i)
             self.wfile.write(b"0\r\n\r\n")
+            return
+        if self.path.startswith("/bytes/"):
+            n = int(self.path[len("/bytes/"):])
+            self.send_response(200)
+            self.send_header("content-length", str(n))
+            self.end_headers()
+            piece = bytes(range(256)) * 1024
+            while n > 0:
+                k = min(n, len(piece))
+                self.wfile.write(piece[:k])
+                n -= k
             return
         if self.path == "/die":
             self.send_response(200)
