@@ -167,6 +167,9 @@ pub struct Options {
 /// An upstream connection's sending half, kept for the next request to the same upstream.
 type Sender = hyper::client::conn::http1::SendRequest<GwBody>;
 
+/// A process id to the name of the sandbox it runs, if it runs one.
+pub type Namer = dyn Fn(i32) -> Option<String> + Send + Sync;
+
 /// An upstream: host and port.
 type Upstream = (String, u16);
 
@@ -257,6 +260,8 @@ impl ConfigFile {
 
 /// The gateway, checked and ready to serve.
 pub struct Gateway {
+    /// Which sandbox a connecting process (its pid: a VMM's) is, for the audit log.
+    namer: Option<Box<Namer>>,
     /// Idle upstream connections (TLS done), by host and port: a request reuses one instead of
     /// paying a TLS handshake.
     pool: Mutex<std::collections::HashMap<Upstream, Vec<(Sender, Instant)>>>,
@@ -338,6 +343,7 @@ impl Gateway {
             None => Box::new(io::stdout()),
         };
         Ok(Gateway {
+            namer: None,
             pool: Mutex::default(),
             allow,
             credentials,
@@ -348,6 +354,13 @@ impl Gateway {
             max_request_bytes: opts.max_request_bytes,
             idle_timeout: opts.idle_timeout,
         })
+    }
+
+    /// Name each connection's sandbox in the audit log with `namer` (its peer's pid: the VMM
+    /// whose guest opened the stream).
+    pub fn with_namer(mut self, namer: Box<Namer>) -> Self {
+        self.namer = Some(namer);
+        self
     }
 
     /// Serve on `listener` until `stop` resolves.
@@ -392,10 +405,21 @@ impl Gateway {
     }
 
     async fn connection(self: Arc<Self>, conn: tokio::net::UnixStream, peer: Option<i32>) {
+        let sandbox = match peer {
+            Some(pid) if self.namer.is_some() => {
+                let me = self.clone();
+                tokio::task::spawn_blocking(move || me.namer.as_ref().and_then(|n| n(pid)))
+                    .await
+                    .ok()
+                    .flatten()
+            }
+            _ => None,
+        };
+        let sandbox: Option<Arc<str>> = sandbox.map(Arc::from);
         let me = self.clone();
         let service = hyper::service::service_fn(move |req| {
-            let me = me.clone();
-            async move { Ok::<_, std::convert::Infallible>(me.request(req, peer).await) }
+            let (me, sandbox) = (me.clone(), sandbox.clone());
+            async move { Ok::<_, std::convert::Infallible>(me.request(req, peer, sandbox).await) }
         });
         let served = hyper::server::conn::http1::Builder::new()
             .serve_connection(TokioIo::new(conn), service)
@@ -424,12 +448,14 @@ impl Gateway {
         self: Arc<Self>,
         req: Request<Incoming>,
         peer: Option<i32>,
+        sandbox: Option<Arc<str>>,
     ) -> Response<GwBody> {
         let started = Instant::now();
         let mut rec = Record {
             time: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64()),
+            sandbox: sandbox.map(|s| s.to_string()),
             peer_pid: peer,
             kind: if req.method() == Method::CONNECT {
                 "connect"
@@ -612,6 +638,12 @@ impl Gateway {
             Ok(r) => (r.0.clone(), r.1),
             Err(why) => {
                 rec.path = req.uri().path().to_string();
+                rec.host = req
+                    .uri()
+                    .host()
+                    .or_else(|| req.headers().get(hyper::header::HOST)?.to_str().ok())
+                    .unwrap_or("")
+                    .to_string();
                 return self.deny(rec, started, why);
             }
         };
@@ -845,6 +877,8 @@ fn strip_hop_by_hop(h: &mut hyper::HeaderMap) {
 #[derive(serde::Serialize)]
 struct Record {
     time: f64,
+    /// The sandbox whose guest opened the stream (its name, else its id), when known.
+    sandbox: Option<String>,
     peer_pid: Option<i32>,
     kind: &'static str,
     method: String,

@@ -300,7 +300,15 @@ fn gateway(args: amvm::cli::GatewayArgs) -> ExitCode {
         return fail(&"no --allow rule: nothing could go through");
     }
     let gw = match Gateway::new(&opts) {
-        Ok(g) => g,
+        // A stream comes from a VMM: its sandbox is the one of this user's with that VMM.
+        Ok(g) => g.with_namer(Box::new(|pid| {
+            let pid = u32::try_from(pid).ok()?;
+            let info = amvm::sandbox::list()
+                .ok()?
+                .into_iter()
+                .find(|i| i.vmm_pid == pid)?;
+            Some(info.name.unwrap_or(info.id))
+        })),
         Err(e) => return fail(&e),
     };
     // Blocked before any thread starts (they inherit the mask); a thread waits for them.
