@@ -263,3 +263,161 @@ fn gemini_cli_prompt_reaches_the_egress() {
         assert!(ua.contains("GeminiCLI") && ua.contains(&version), "{why}");
     }
 }
+
+/// Kills and reaps a background process when dropped.
+struct Reaped(Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn claude_code_answers_through_the_gateway_with_the_key_only_on_the_host() {
+    harness_image();
+    let dir = std::env::temp_dir().join(format!("amvm-harness-gw-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let sh = |cmd: &str| {
+        let o = Command::new("sh")
+            .arg("-c")
+            .arg(cmd)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{cmd}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    };
+    // A stand-in of the model API over real TLS, its certificate from a CA made here.
+    sh(
+        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
+        -keyout ca.key -out ca.pem -days 1 -subj /CN=harness-ca 2>/dev/null",
+    );
+    sh(
+        "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout up.key \
+        -out up.csr -subj /CN=localhost 2>/dev/null",
+    );
+    std::fs::write(
+        dir.join("ext.cnf"),
+        "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    )
+    .unwrap();
+    sh(
+        "openssl x509 -req -in up.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out up.pem \
+        -days 1 -extfile ext.cnf 2>/dev/null",
+    );
+    let key = "sk-ant-host-only-7f3e";
+    std::fs::write(dir.join("key"), format!("{key}\n")).unwrap();
+    let _upstream = Reaped(
+        Command::new("python3")
+            .arg(repo().join("tests/standin/tls_upstream.py"))
+            .args(["up.pem", "up.key", "port", "records", "go"])
+            .env("UPSTREAM_KEY", key)
+            .env("UPSTREAM_MODEL", "1")
+            .current_dir(&dir)
+            .spawn()
+            .unwrap(),
+    );
+    let until = Instant::now() + Duration::from_secs(60);
+    let port = loop {
+        if let Ok(p) = std::fs::read_to_string(dir.join("port")) {
+            break p.trim().to_string();
+        }
+        assert!(
+            Instant::now() < until,
+            "the stand-in model API did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // The key is in a host file the gateway reads; the guest gets a placeholder.
+    let sock = dir.join("gw.sock");
+    let _gateway = Reaped(
+        Command::new(amvm_tests::amvm_bin())
+            .args(["gateway", "--listen", sock.to_str().unwrap()])
+            .args([
+                "--allow",
+                &format!("anthropic=localhost:{port}"),
+                "--ca",
+                "ca.pem",
+            ])
+            .args([
+                "--credential",
+                "localhost=header:x-api-key:@key",
+                "--log",
+                "audit.log",
+            ])
+            .current_dir(&dir)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    while !sock.exists() {
+        assert!(Instant::now() < until, "the gateway did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = run_vm(
+        &[
+            "--system",
+            "harness",
+            "--egress",
+            sock.to_str().unwrap(),
+            "--timeout",
+            PROMPT_TIMEOUT,
+        ],
+        &[
+            "sh",
+            "-c",
+            "export ANTHROPIC_BASE_URL=http://$AMVM_EGRESS_ADDR/anthropic \
+             ANTHROPIC_API_KEY=sk-ant-placeholder CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1; \
+             claude -p hi 2>&1; echo \"claude exit $?\"; \
+             echo \"key in the guest: $(env | grep -c sk-ant-host-only || true)\"",
+        ],
+    );
+    let records = std::fs::read_to_string(dir.join("records")).unwrap_or_default();
+    let audit = std::fs::read_to_string(dir.join("audit.log")).unwrap_or_default();
+    let why = format!(
+        "exit {}\nstdout:\n{}\nstderr:\n{}\nupstream saw:\n{records}\naudit:\n{audit}",
+        out.code,
+        out.stdout_str(),
+        out.stderr
+    );
+    let text = out.stdout_str();
+    assert_eq!(out.code, 0, "{why}");
+    assert!(text.contains("hello from the stand-in model"), "{why}");
+    assert!(text.contains("claude exit 0"), "{why}");
+    assert!(text.contains("key in the guest: 0"), "{why}");
+    // The upstream got the host's key (not the guest's placeholder) on the Messages API.
+    let calls: Vec<serde_json::Value> = records
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|r: &serde_json::Value| {
+            r["path"]
+                .as_str()
+                .is_some_and(|p| p.starts_with("/v1/messages"))
+        })
+        .collect();
+    assert!(!calls.is_empty(), "{why}");
+    for c in &calls {
+        let keys: Vec<&serde_json::Value> = c["headers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|h| h[0] == "x-api-key")
+            .map(|h| &h[1])
+            .collect();
+        assert_eq!(keys, [key], "{why}");
+    }
+    // Audited, by sandbox, without the key.
+    assert!(
+        audit.contains("\"path\":\"/v1/messages\"") && audit.contains("\"status\":200"),
+        "{why}"
+    );
+    assert!(!audit.contains("\"sandbox\":null"), "{why}");
+    assert!(!audit.contains(key) && !text.contains(key), "{why}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

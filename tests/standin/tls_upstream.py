@@ -12,6 +12,9 @@ RECORDS, one JSON line each. Paths:
   /echo         the request body back
   /die          chunked: one chunk, then the connection is cut without the last chunk
   /bytes/N      N bytes (a fixed pattern), with their length
+With $UPSTREAM_MODEL set, /v1/messages (any query) is instead a stand-in of the Anthropic
+Messages API: with the right key, a streamed answer whose text is "hello from the stand-in
+model"; without it, the API's 401 error.
 """
 
 import http.server
@@ -53,9 +56,46 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
 
+    def model(self):
+        if self.headers.get("x-api-key") != os.environ["UPSTREAM_KEY"]:
+            body = json.dumps({"type": "error", "error": {
+                "type": "authentication_error", "message": "stand-in model: wrong key"}}).encode()
+            self.send_response(401)
+            self.send_header("content-type", "application/json")
+            self.send_header("x-should-retry", "false")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        usage = {"input_tokens": 1, "output_tokens": 1}
+        events = [
+            ("message_start", {"type": "message_start", "message": {
+                "id": "msg_standin", "type": "message", "role": "assistant",
+                "model": "claude-standin", "content": [], "stop_reason": None,
+                "stop_sequence": None, "usage": usage}}),
+            ("content_block_start", {"type": "content_block_start", "index": 0,
+                                     "content_block": {"type": "text", "text": ""}}),
+            ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
+                "type": "text_delta", "text": "hello from the stand-in model"}}),
+            ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            ("message_delta", {"type": "message_delta", "delta": {
+                "stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": 6}}),
+            ("message_stop", {"type": "message_stop"}),
+        ]
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        for name, data in events:
+            self.chunk(b"event: %s\ndata: %s\n\n" % (name.encode(), json.dumps(data).encode()))
+        self.wfile.write(b"0\r\n\r\n")
+
     def handle_one(self):
         self.record()
         data = self.body()
+        if os.environ.get("UPSTREAM_MODEL") and self.path.split("?")[0] == "/v1/messages":
+            self.model()
+            return
         if self.path == "/echo":
             self.send_response(200)
             self.send_header("content-length", str(len(data)))
