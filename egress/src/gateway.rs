@@ -593,13 +593,15 @@ impl Gateway {
             // Absolute form (a client told to use a proxy): the host is the upstream's.
             return by_host(host, req.uri().port_u16()).map(|a| (a, path));
         }
-        let first = path
-            .trim_start_matches('/')
-            .split(['/', '?'])
-            .next()
-            .unwrap_or("");
-        if let Some(a) = self.allow.iter().find(|a| a.name.as_deref() == Some(first)) {
-            let rest = &path[1 + first.len()..];
+        // `/NAME/rest?query`: exactly one slash before the name.
+        let after = path.strip_prefix('/').unwrap_or("");
+        let first = after.split(['/', '?']).next().unwrap_or("");
+        if let Some(a) = self
+            .allow
+            .iter()
+            .find(|a| !first.is_empty() && a.name.as_deref() == Some(first))
+        {
+            let rest = &after[first.len()..];
             let rest = if rest.starts_with('/') {
                 rest.to_string()
             } else {
@@ -729,6 +731,7 @@ impl Gateway {
             rec: Some(rec),
             started,
             gateway: self.clone(),
+            idle: Box::pin(tokio::time::sleep(self.idle_timeout)),
             _permit: permit,
         };
         Response::from_parts(parts, body.boxed())
@@ -905,6 +908,8 @@ struct Counted {
     rec: Option<Record>,
     started: Instant,
     gateway: Arc<Gateway>,
+    /// Fires when the upstream has sent nothing for `--idle-timeout`: the stream ends then.
+    idle: Pin<Box<tokio::time::Sleep>>,
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
@@ -943,6 +948,8 @@ impl Body for Counted {
                 if let Some(d) = f.data_ref() {
                     self.down += d.len() as u64;
                 }
+                let next = tokio::time::Instant::now() + self.gateway.idle_timeout;
+                self.idle.as_mut().reset(next);
                 // A body of known length is not polled past its last byte: it ends here.
                 if self.inner.is_end_stream() {
                     self.ended();
@@ -958,7 +965,17 @@ impl Body for Counted {
                 self.ended();
                 Poll::Ready(None)
             }
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => match std::future::Future::poll(self.idle.as_mut(), cx) {
+                Poll::Ready(()) => {
+                    let text = format!(
+                        "the upstream sent nothing for {} s (--idle-timeout)",
+                        self.gateway.idle_timeout.as_secs()
+                    );
+                    self.finish(Some(text.clone()));
+                    Poll::Ready(Some(Err(io::Error::other(text))))
+                }
+                Poll::Pending => Poll::Pending,
+            },
         }
     }
 

@@ -121,7 +121,16 @@ fn bed(name: &str) -> Bed {
 
 /// A gateway serving `sock` until the returned sender is dropped.
 fn gateway(bed: &Bed, ca: bool, max_streams: usize) -> (PathBuf, tokio::sync::oneshot::Sender<()>) {
-    let sock = bed.dir.join(format!("gw-{max_streams}-{ca}.sock"));
+    gateway_idle(bed, ca, max_streams, 30)
+}
+
+fn gateway_idle(
+    bed: &Bed,
+    ca: bool,
+    max_streams: usize,
+    idle: u64,
+) -> (PathBuf, tokio::sync::oneshot::Sender<()>) {
+    let sock = bed.dir.join(format!("gw-{max_streams}-{ca}-{idle}.sock"));
     let opts = Options {
         listen: sock.clone(),
         allow: vec![
@@ -136,7 +145,7 @@ fn gateway(bed: &Bed, ca: bool, max_streams: usize) -> (PathBuf, tokio::sync::on
         log: Some(bed.dir.join("audit.log")),
         max_streams,
         max_request_bytes: 1 << 20,
-        idle_timeout: Duration::from_secs(30),
+        idle_timeout: Duration::from_secs(idle),
     };
     let gw = Gateway::new(&opts).unwrap();
     let listener = bind(&sock).unwrap();
@@ -459,6 +468,30 @@ fn streams_beyond_the_limit_get_503_and_bad_options_are_refused() {
         b"GET /up/echo HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
     );
     assert_eq!(status, 503);
+    // An upstream that stops sending mid-answer is cut after --idle-timeout: the guest's answer
+    // ends without its last chunk (the upstream would stall for two minutes; the read below
+    // would time out after one).
+    let (idle_sock, _stop_idle) = gateway_idle(&bed, true, 4, 2);
+    let (status, _, body) = exchange(
+        &idle_sock,
+        b"GET /up/stall HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n",
+    );
+    assert_eq!(status, 200);
+    let (data, whole) = dechunk(&body);
+    assert_eq!(data, b"first");
+    assert!(!whole, "a stalled upstream looked like a whole answer");
+    std::thread::sleep(Duration::from_millis(300));
+    let stalled = audit(&bed)
+        .into_iter()
+        .find(|l| l["path"] == "/stall")
+        .expect("the stalled request's line");
+    assert!(
+        stalled["error"]
+            .as_str()
+            .unwrap()
+            .contains("--idle-timeout"),
+        "{stalled}"
+    );
     // Bad options: a rule with a scheme, a credential for a host no rule allows, a CA that
     // is not PEM.
     let base = Options {

@@ -12,6 +12,7 @@ RECORDS, one JSON line each. Paths:
   /echo         the request body back
   /die          chunked: one chunk, then the connection is cut without the last chunk
   /bytes/N      N bytes (a fixed pattern), with their length
+  /stall        chunked: one chunk, then nothing for two minutes
 With $UPSTREAM_MODEL set, /v1/messages (any query) is instead a stand-in of the Anthropic
 Messages API: with the right key, a streamed answer whose text is "hello from the stand-in
 model"; without it, the API's 401 error.
@@ -130,6 +131,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 k = min(n, len(piece))
                 self.wfile.write(piece[:k])
                 n -= k
+            return
+        if self.path == "/stall":
+            self.send_response(200)
+            self.send_header("transfer-encoding", "chunked")
+            self.end_headers()
+            self.chunk(b"first")
+            time.sleep(120)
             return
         if self.path == "/die":
             self.send_response(200)
