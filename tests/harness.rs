@@ -280,37 +280,12 @@ fn claude_code_answers_through_the_gateway_with_the_key_only_on_the_host() {
     let dir = std::env::temp_dir().join(format!("amvm-harness-gw-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let sh = |cmd: &str| {
-        let o = Command::new("sh")
-            .arg("-c")
-            .arg(cmd)
-            .current_dir(&dir)
-            .output()
-            .unwrap();
-        assert!(
-            o.status.success(),
-            "{cmd}: {}",
-            String::from_utf8_lossy(&o.stderr)
-        );
-    };
     // A stand-in of the model API over real TLS, its certificate from a CA made here.
-    sh(
-        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
-        -keyout ca.key -out ca.pem -days 1 -subj /CN=harness-ca 2>/dev/null",
-    );
-    sh(
-        "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout up.key \
-        -out up.csr -subj /CN=localhost 2>/dev/null",
-    );
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    sh(
-        "openssl x509 -req -in up.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out up.pem \
-        -days 1 -extfile ext.cnf 2>/dev/null",
-    );
+    let st = Command::new(repo().join("tests/standin/test-ca"))
+        .arg(&dir)
+        .status()
+        .unwrap();
+    assert!(st.success(), "tests/standin/test-ca failed");
     let key = "sk-ant-host-only-7f3e";
     std::fs::write(dir.join("key"), format!("{key}\n")).unwrap();
     let _upstream = Reaped(

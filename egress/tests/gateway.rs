@@ -51,31 +51,12 @@ fn bed(name: &str) -> Bed {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     // A CA of the test's own, and a certificate for localhost that it signed.
-    sh(
-        &dir,
-        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
-        -keyout ca.key -out ca.pem -days 2 -subj /CN=amvm-test-ca 2>/dev/null",
-    );
-    sh(
-        &dir,
-        "openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes \
-        -keyout leaf.key -out leaf.csr -subj /CN=localhost 2>/dev/null",
-    );
-    std::fs::write(
-        dir.join("ext.cnf"),
-        "subjectAltName=DNS:localhost\nbasicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\n",
-    )
-    .unwrap();
-    sh(
-        &dir,
-        "openssl x509 -req -in leaf.csr -CA ca.pem -CAkey ca.key -CAcreateserial \
-        -out leaf.pem -days 2 -extfile ext.cnf 2>/dev/null",
-    );
+    let standin = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/standin");
+    sh(&dir, &format!("{} .", standin.join("test-ca").display()));
     std::fs::write(dir.join("key"), format!("{SECRET}\n")).unwrap();
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/standin/tls_upstream.py");
     let upstream = Command::new("python3")
-        .arg(script)
-        .args(["leaf.pem", "leaf.key", "port", "records", "go"])
+        .arg(standin.join("tls_upstream.py"))
+        .args(["up.pem", "up.key", "port", "records", "go"])
         .env("UPSTREAM_KEY", SECRET)
         .current_dir(&dir)
         .spawn()

@@ -32,11 +32,6 @@ class UnixHTTP(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
-def sh(cmd, cwd):
-    subprocess.run(cmd, shell=True, check=True, cwd=cwd, stderr=subprocess.DEVNULL,
-                   stdout=subprocess.DEVNULL)
-
-
 def small(conn, prefix, n):
     times = []
     for i in range(n + 10):
@@ -73,14 +68,7 @@ def main():
     a = ap.parse_args()
     a.amvm = os.path.abspath(a.amvm)
     d = tempfile.mkdtemp(prefix="amvm-bench-gateway-")
-    sh("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key "
-       "-out ca.pem -days 1 -subj /CN=bench-ca", d)
-    sh("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout up.key "
-       "-out up.csr -subj /CN=localhost", d)
-    with open(os.path.join(d, "ext.cnf"), "w") as f:
-        f.write("subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n")
-    sh("openssl x509 -req -in up.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out up.pem "
-       "-days 1 -extfile ext.cnf", d)
+    subprocess.run([os.path.join(ROOT, "tests/standin/test-ca"), d], check=True)
     env = dict(os.environ, UPSTREAM_KEY="unused")
     up = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests/standin/tls_upstream.py"),
                            "up.pem", "up.key", "port", "records", "go"], cwd=d, env=env)
