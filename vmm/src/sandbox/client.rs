@@ -564,7 +564,6 @@ impl Sandbox {
     }
 }
 
-/// The SHA-256 of the file at `path`, hex.
 /// The host directory a sandbox's workspace is (its overlay's lower directory, or its plain
 /// `--workspace DIR`), if it has one.
 pub fn workspace_dir(c: &super::Config) -> Option<std::path::PathBuf> {
@@ -595,10 +594,7 @@ fn sha256_remembered_in(cache: Option<&Path>, path: &Path) -> std::io::Result<St
         m.ctime(),
         m.ctime_nsec()
     );
-    let key: String = Sha256::digest(identity.as_bytes())
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let key = hex(&Sha256::digest(identity.as_bytes()));
     let stamp = cache.map(|c| c.join("sha256").join(key));
     if let Some(known) = stamp.as_ref().and_then(|s| std::fs::read_to_string(s).ok()) {
         if known.len() == 64 && known.bytes().all(|b| b.is_ascii_hexdigit()) {
@@ -621,6 +617,12 @@ fn sha256_remembered_in(cache: Option<&Path>, path: &Path) -> std::io::Result<St
     Ok(sum)
 }
 
+/// Bytes as lowercase hex.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The SHA-256 of the file at `path`, hex.
 pub fn sha256_of(path: &Path) -> std::io::Result<String> {
     use sha2::{Digest, Sha256};
     let mut f = std::fs::File::open(path)?;
@@ -633,7 +635,7 @@ pub fn sha256_of(path: &Path) -> std::io::Result<String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex(&h.finalize()))
 }
 
 #[cfg(test)]

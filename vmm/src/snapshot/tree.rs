@@ -405,7 +405,7 @@ pub fn fingerprint(dir: &Path) -> Result<Fingerprint, TreeError> {
     walk(dir, b"", &mut h, &mut n);
     Ok(Fingerprint {
         entries: n,
-        sha256: h.finalize().iter().map(|b| format!("{b:02x}")).collect(),
+        sha256: crate::sandbox::client::hex(&h.finalize()),
     })
 }
 
