@@ -73,6 +73,10 @@ impl Allow {
                 return Err(bad("a rule's name is letters, digits, - and _"));
             }
         }
+        let host_name = "say a host name such as api.anthropic.com (no scheme, no path)";
+        if rest.contains('/') {
+            return Err(bad(host_name));
+        }
         let (host, port) = match rest.rsplit_once(':') {
             Some((h, p)) => (
                 h,
@@ -93,9 +97,7 @@ impl Allow {
                 && !l.ends_with('-')
         };
         if host.is_empty() || host.len() > 253 || !host.split('.').all(label_ok) {
-            return Err(bad(
-                "say a host name such as api.anthropic.com (no scheme, no path)",
-            ));
+            return Err(bad(host_name));
         }
         Ok(Allow {
             name: name.map(str::to_string),
@@ -112,35 +114,53 @@ impl Allow {
     }
 }
 
-/// A `--credential HOST=header:NAME:@FILE`: the header the gateway adds to every request it
-/// forwards to HOST, its value read from FILE (one line) when the gateway starts.
+/// A `--credential RULE=header:NAME:@FILE` or `RULE=bearer:@FILE`: the header the gateway adds
+/// to every request it forwards by a rule RULE names (the rule's NAME, or its HOST: every rule of
+/// that host), its value read from FILE (one line) when the gateway starts. `bearer:` is
+/// `Authorization: Bearer <line>` (OpenAI's and most APIs' form).
 struct Credential {
-    host: String,
+    target: String,
     header: HeaderName,
     value: HeaderValue,
 }
 
+impl Credential {
+    /// Whether this credential goes with requests by `rule`.
+    fn applies_to(&self, rule: &Allow) -> bool {
+        self.target == rule.host || rule.name.as_deref() == Some(self.target.as_str())
+    }
+}
+
 fn credential(arg: &str) -> Result<Credential, GatewayError> {
     let bad = |why: String| GatewayError::Credential(arg.to_string(), why);
-    let form = "the form is HOST=header:NAME:@FILE";
-    let (host, spec) = arg.split_once('=').ok_or_else(|| bad(form.into()))?;
-    let spec = spec
-        .strip_prefix("header:")
-        .ok_or_else(|| bad(form.into()))?;
-    let (name, file) = spec.rsplit_once(":@").ok_or_else(|| bad(form.into()))?;
-    let header = HeaderName::from_bytes(name.as_bytes())
-        .map_err(|_| bad(format!("{name:?} is not a header name")))?;
+    let form =
+        "the form is RULE=header:NAME:@FILE or RULE=bearer:@FILE (RULE: a rule's NAME or HOST)";
+    let (target, spec) = arg.split_once('=').ok_or_else(|| bad(form.into()))?;
+    if target.is_empty() {
+        return Err(bad(form.into()));
+    }
+    let (header, prefix, file) = if let Some(file) = spec.strip_prefix("bearer:@") {
+        (hyper::header::AUTHORIZATION, "Bearer ", file)
+    } else {
+        let spec = spec
+            .strip_prefix("header:")
+            .ok_or_else(|| bad(form.into()))?;
+        let (name, file) = spec.rsplit_once(":@").ok_or_else(|| bad(form.into()))?;
+        let header = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| bad(format!("{name:?} is not a header name")))?;
+        (header, "", file)
+    };
     // The file's first line; its content is never shown, not even in this error.
     let text = std::fs::read_to_string(file).map_err(|e| bad(format!("{file}: {e}")))?;
     let line = text.lines().next().unwrap_or("").trim();
     if line.is_empty() {
         return Err(bad(format!("{file} is empty")));
     }
-    let mut value = HeaderValue::from_str(line)
+    let mut value = HeaderValue::from_str(&format!("{prefix}{line}"))
         .map_err(|_| bad(format!("{file} holds bytes a header value cannot")))?;
     value.set_sensitive(true);
     Ok(Credential {
-        host: host.to_ascii_lowercase(),
+        target: target.to_ascii_lowercase(),
         header,
         value,
     })
@@ -209,12 +229,17 @@ pub struct ConfigFile {
     pub idle_timeout: Option<u64>,
 }
 
-/// One `[[credential]]` of a config file: `--credential HOST=header:HEADER:@FILE`.
+/// One `[[credential]]` of a config file: `rule` (or `host`) and `file`, with either
+/// `header = "NAME"` or `bearer = true` (`--credential RULE=header:NAME:@FILE` /
+/// `RULE=bearer:@FILE`).
 #[derive(Debug, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CredentialEntry {
-    pub host: String,
-    pub header: String,
+    #[serde(alias = "host")]
+    pub rule: String,
+    pub header: Option<String>,
+    #[serde(default)]
+    pub bearer: bool,
     pub file: PathBuf,
 }
 
@@ -245,6 +270,12 @@ impl ConfigFile {
         c.log.as_mut().map(fix);
         for e in &mut c.credential {
             fix(&mut e.file);
+            if e.header.is_some() == e.bearer {
+                return Err(bad(format!(
+                    "[[credential]] {}: say either header = \"NAME\" or bearer = true",
+                    e.rule
+                )));
+            }
         }
         Ok(c)
     }
@@ -253,7 +284,10 @@ impl ConfigFile {
     pub fn credential_args(&self) -> Vec<String> {
         self.credential
             .iter()
-            .map(|e| format!("{}=header:{}:@{}", e.host, e.header, e.file.display()))
+            .map(|e| match &e.header {
+                Some(h) => format!("{}=header:{h}:@{}", e.rule, e.file.display()),
+                None => format!("{}=bearer:@{}", e.rule, e.file.display()),
+            })
             .collect()
     }
 }
@@ -289,16 +323,18 @@ impl Gateway {
             .map(|c| credential(c))
             .collect::<Result<Vec<_>, _>>()?;
         for c in &credentials {
-            if !allow.iter().any(|a| a.host == c.host) {
+            if !allow.iter().any(|a| c.applies_to(a)) {
                 return Err(GatewayError::Credential(
-                    format!("{}=...", c.host),
-                    "its host is in no --allow rule".into(),
+                    format!("{}=...", c.target),
+                    "no --allow rule has that name or host".into(),
                 ));
             }
         }
+        // The header's value, and the key alone (a bearer value is "Bearer KEY").
         let secrets = credentials
             .iter()
-            .filter_map(|c| c.value.to_str().ok().map(str::to_string))
+            .filter_map(|c| c.value.to_str().ok())
+            .flat_map(|v| [v.to_string(), v.trim_start_matches("Bearer ").to_string()])
             .collect();
         let mut roots = rustls::RootCertStore::empty();
         roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
@@ -679,7 +715,7 @@ impl Gateway {
             hyper::header::HOST,
             HeaderValue::from_str(&host_header).expect("a checked host name"),
         );
-        for c in self.credentials.iter().filter(|c| c.host == rule.host) {
+        for c in self.credentials.iter().filter(|c| c.applies_to(&rule)) {
             parts.headers.insert(c.header.clone(), c.value.clone());
         }
         parts.uri = match path.parse() {
@@ -1128,6 +1164,22 @@ mod tests {
             .to_string();
         assert!(!e.contains("bad"), "{e}");
         assert!(credential("api.x.com=x-api-key:@/nowhere").is_err());
+        assert!(credential("=bearer:@/nowhere").is_err());
+        std::fs::write(&f, "sk-openai-9\n").unwrap();
+        let c = credential(&format!("openai=bearer:@{}", f.display())).unwrap();
+        assert_eq!(c.header, "authorization");
+        assert_eq!(c.value, "Bearer sk-openai-9");
+        // By the rule's name: that rule only; by host: every rule of the host.
+        let rule = |n: Option<&str>, h: &str| Allow {
+            name: n.map(str::to_string),
+            host: h.into(),
+            port: 443,
+        };
+        assert!(c.applies_to(&rule(Some("openai"), "localhost")));
+        assert!(!c.applies_to(&rule(Some("gemini"), "localhost")));
+        assert!(!c.applies_to(&rule(None, "localhost")));
+        let c = credential(&format!("LocalHost=bearer:@{}", f.display())).unwrap();
+        assert!(c.applies_to(&rule(Some("gemini"), "localhost")));
         let e = credential("api.x.com=header:x-api-key:@/nowhere")
             .err()
             .unwrap()
@@ -1144,7 +1196,8 @@ mod tests {
         std::fs::write(
             &f,
             "listen = \"gw.sock\"\nallow = [\"a=api.x.com\", \"npm.org:8443\"]\nidle_timeout = 9\n\
-             [[credential]]\nhost = \"api.x.com\"\nheader = \"x-api-key\"\nfile = \"key\"\n",
+             [[credential]]\nhost = \"api.x.com\"\nheader = \"x-api-key\"\nfile = \"key\"\n\
+             [[credential]]\nrule = \"a\"\nbearer = true\nfile = \"/k\"\n",
         )
         .unwrap();
         let c = ConfigFile::read(&f).unwrap();
@@ -1153,11 +1206,18 @@ mod tests {
         assert_eq!(c.idle_timeout, Some(9));
         assert_eq!(
             c.credential_args(),
-            [format!(
-                "api.x.com=header:x-api-key:@{}",
-                dir.join("key").display()
-            )]
+            [
+                format!("api.x.com=header:x-api-key:@{}", dir.join("key").display()),
+                "a=bearer:@/k".to_string()
+            ]
         );
+        std::fs::write(
+            &f,
+            "[[credential]]\nrule = \"a\"\nbearer = true\nheader = \"x\"\nfile = \"k\"\n",
+        )
+        .unwrap();
+        let e = ConfigFile::read(&f).err().unwrap().to_string();
+        assert!(e.contains("either header"), "{e}");
         std::fs::write(&f, "allow = [\"a.com\"]\nallwo = [\"b.com\"]\n").unwrap();
         let e = ConfigFile::read(&f).err().unwrap().to_string();
         assert!(e.contains("allwo"), "{e}");
