@@ -13,9 +13,13 @@ RECORDS, one JSON line each. Paths:
   /die          chunked: one chunk, then the connection is cut without the last chunk
   /bytes/N      N bytes (a fixed pattern), with their length
   /stall        chunked: one chunk, then nothing for two minutes
-With $UPSTREAM_MODEL set, /v1/messages (any query) is instead a stand-in of the Anthropic
-Messages API: with the right key, a streamed answer whose text is "hello from the stand-in
-model"; without it, the API's 401 error.
+With $UPSTREAM_MODEL set, it is instead a stand-in of three model APIs, each answering
+"hello from the stand-in model" (streamed as the real one streams it) to the right key and the
+API's own 401 error to any other:
+  /v1/messages                    Anthropic Messages, key in x-api-key ($UPSTREAM_KEY)
+  /v1/responses                   OpenAI Responses, "Authorization: Bearer" ($UPSTREAM_OPENAI_KEY)
+  /v1beta/models/M:ACTION         Gemini (streamGenerateContent, generateContent, countTokens),
+                                  key in x-goog-api-key ($UPSTREAM_GEMINI_KEY)
 """
 
 import http.server
@@ -59,17 +63,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def model(self):
         if self.headers.get("x-api-key") != os.environ["UPSTREAM_KEY"]:
-            body = json.dumps({"type": "error", "error": {
-                "type": "authentication_error", "message": "stand-in model: wrong key"}}).encode()
-            self.send_response(401)
-            self.send_header("content-type", "application/json")
-            self.send_header("x-should-retry", "false")
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            self.refuse({"type": "error", "error": {
+                "type": "authentication_error", "message": "stand-in model: wrong key"}},
+                x_should_retry="false")
             return
         usage = {"input_tokens": 1, "output_tokens": 1}
-        events = [
+        self.events([
             ("message_start", {"type": "message_start", "message": {
                 "id": "msg_standin", "type": "message", "role": "assistant",
                 "model": "claude-standin", "content": [], "stop_reason": None,
@@ -82,21 +81,95 @@ class Handler(http.server.BaseHTTPRequestHandler):
             ("message_delta", {"type": "message_delta", "delta": {
                 "stop_reason": "end_turn", "stop_sequence": None}, "usage": {"output_tokens": 6}}),
             ("message_stop", {"type": "message_stop"}),
-        ]
+        ])
+
+    def refuse(self, body, **headers):
+        body = json.dumps(body).encode()
+        self.send_response(401)
+        self.send_header("content-type", "application/json")
+        for k, v in headers.items():
+            self.send_header(k.replace("_", "-"), v)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def events(self, events):
+        """Server-sent events, chunked: (name or None, data) pairs."""
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
         for name, data in events:
-            self.chunk(b"event: %s\ndata: %s\n\n" % (name.encode(), json.dumps(data).encode()))
+            head = b"event: %s\n" % name.encode() if name else b""
+            self.chunk(head + b"data: %s\n\n" % json.dumps(data).encode())
         self.wfile.write(b"0\r\n\r\n")
+
+    def openai(self):
+        if self.headers.get("authorization") != "Bearer " + (os.environ.get("UPSTREAM_OPENAI_KEY") or "\0"):
+            self.refuse({"error": {"message": "stand-in model: wrong key", "type":
+                                   "invalid_request_error", "code": "invalid_api_key"}})
+            return
+        text = "hello from the stand-in model"
+        item = {"type": "message", "id": "msg_standin", "role": "assistant", "status":
+                "completed", "content": [{"type": "output_text", "text": text,
+                                          "annotations": []}]}
+        response = {"id": "resp_standin", "object": "response", "model": "gpt-standin",
+                    "status": "completed", "output": [item], "usage": {
+                        "input_tokens": 1, "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens": 6, "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": 7}}
+        started = dict(item, status="in_progress", content=[])
+        self.events([
+            ("response.created", {"type": "response.created", "response": dict(
+                response, status="in_progress", output=[], usage=None)}),
+            ("response.output_item.added", {"type": "response.output_item.added",
+                                            "output_index": 0, "item": started}),
+            ("response.output_text.delta", {"type": "response.output_text.delta",
+                                            "item_id": "msg_standin", "output_index": 0,
+                                            "content_index": 0, "delta": text}),
+            ("response.output_item.done", {"type": "response.output_item.done",
+                                           "output_index": 0, "item": item}),
+            ("response.completed", {"type": "response.completed", "response": response}),
+        ])
+
+    def gemini(self, action):
+        if self.headers.get("x-goog-api-key") != (os.environ.get("UPSTREAM_GEMINI_KEY") or "\0"):
+            self.refuse({"error": {"code": 401, "message": "stand-in model: wrong key",
+                                   "status": "UNAUTHENTICATED"}})
+            return
+        if action == "countTokens":
+            answer = {"totalTokens": 1}
+        else:
+            answer = {"candidates": [{"content": {"role": "model", "parts": [
+                {"text": "hello from the stand-in model"}]}, "finishReason": "STOP",
+                "index": 0}], "usageMetadata": {"promptTokenCount": 1,
+                                                "candidatesTokenCount": 6,
+                                                "totalTokenCount": 7},
+                "modelVersion": "gemini-standin"}
+        if action == "streamGenerateContent":
+            self.events([(None, answer)])
+            return
+        body = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def handle_one(self):
         self.record()
         data = self.body()
-        if os.environ.get("UPSTREAM_MODEL") and self.path.split("?")[0] == "/v1/messages":
-            self.model()
-            return
+        path = self.path.split("?")[0]
+        if os.environ.get("UPSTREAM_MODEL"):
+            if path == "/v1/messages":
+                self.model()
+                return
+            if path == "/v1/responses":
+                self.openai()
+                return
+            if path.startswith("/v1beta/models/") and ":" in path:
+                self.gemini(path.rsplit(":", 1)[1])
+                return
         if self.path == "/echo":
             self.send_response(200)
             self.send_header("content-length", str(len(data)))
