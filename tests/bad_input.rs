@@ -279,4 +279,64 @@ fn a_gateway_with_bad_rules_says_which_and_leaves_no_socket() {
     let o = amvm(["gateway", "--allow", "api.example.com"], &[]);
     assert_one_line_125(&o, "--listen");
     assert!(!sock.exists(), "a refused gateway left its socket");
+    // The same refusals for a run's own gateway, under the run's flag names, before any sandbox
+    // (or gateway) is made.
+    let mark = format!("AMVM_GW_REFUSED={}", std::process::id());
+    let run = |flags: &[&str]| {
+        let mut args = vec!["run", "-e", &mark];
+        args.extend_from_slice(flags);
+        args.extend(["--", "true"]);
+        amvm(args, &[])
+    };
+    let o = run(&["--egress-allow", "https://api.example.com"]);
+    assert_one_line_125(
+        &o,
+        "--egress-allow https://api.example.com: say a host name",
+    );
+    let o = run(&[
+        "--egress-allow",
+        "api.example.com",
+        "--egress-credential",
+        &cred,
+    ]);
+    assert_one_line_125(
+        &o,
+        "--egress-credential other.example=...: no --egress-allow rule",
+    );
+    assert!(!o.stderr.contains("sk-never-shown"), "{o:?}");
+    let missing = "api=bearer:@/nowhere.key";
+    let o = run(&[
+        "--egress-allow",
+        "api=api.example.com",
+        "--egress-credential",
+        missing,
+    ]);
+    assert_one_line_125(
+        &o,
+        "--egress-credential api=bearer:@/nowhere.key: /nowhere.key",
+    );
+    let o = run(&[
+        "--egress-allow",
+        "api.example.com",
+        "--egress-ca",
+        "/nowhere.pem",
+    ]);
+    assert_one_line_125(&o, "--egress-ca /nowhere.pem");
+    let o = run(&[
+        "--egress-allow",
+        "api.example.com",
+        "--egress-log",
+        "/nowhere/a.log",
+    ]);
+    assert_one_line_125(
+        &o,
+        "--egress-log /nowhere/a.log: its directory does not exist",
+    );
+    let o = run(&["--egress-allow", "api.example.com", "--egress", s]);
+    assert_one_line_125(&o, "cannot be used with");
+    let o = run(&["--egress-credential", &cred]);
+    assert_one_line_125(&o, "--egress-allow");
+    let left = amvm_tests::leftovers::sandboxes_naming(&mark);
+    assert!(left.is_empty(), "a refused run made a sandbox: {left:?}");
+    assert!(amvm_tests::leftovers::processes_with(s).is_empty());
 }

@@ -274,25 +274,35 @@ impl Drop for Reaped {
     }
 }
 
+/// The three keys, each only in a host file: the guest gets placeholders.
+const KEYS: [(&str, &str); 3] = [
+    ("anthropic", "sk-ant-host-only-7f3e"),
+    ("openai", "sk-oai-host-only-91c2"),
+    ("gemini", "gem-host-only-5d0a"),
+];
+
 #[test]
-fn claude_code_answers_through_the_gateway_with_the_key_only_on_the_host() {
+fn the_three_clis_answer_through_the_gateway_with_their_keys_only_on_the_host() {
     harness_image();
     let dir = std::env::temp_dir().join(format!("amvm-harness-gw-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    // A stand-in of the model API over real TLS, its certificate from a CA made here.
+    // A stand-in of the three model APIs over real TLS, its certificate from a CA made here.
     let st = Command::new(repo().join("tests/standin/test-ca"))
         .arg(&dir)
         .status()
         .unwrap();
     assert!(st.success(), "tests/standin/test-ca failed");
-    let key = "sk-ant-host-only-7f3e";
-    std::fs::write(dir.join("key"), format!("{key}\n")).unwrap();
+    for (name, key) in KEYS {
+        std::fs::write(dir.join(format!("{name}.key")), format!("{key}\n")).unwrap();
+    }
     let _upstream = Reaped(
         Command::new("python3")
             .arg(repo().join("tests/standin/tls_upstream.py"))
             .args(["up.pem", "up.key", "port", "records", "go"])
-            .env("UPSTREAM_KEY", key)
+            .env("UPSTREAM_KEY", KEYS[0].1)
+            .env("UPSTREAM_OPENAI_KEY", KEYS[1].1)
+            .env("UPSTREAM_GEMINI_KEY", KEYS[2].1)
             .env("UPSTREAM_MODEL", "1")
             .current_dir(&dir)
             .spawn()
@@ -309,48 +319,52 @@ fn claude_code_answers_through_the_gateway_with_the_key_only_on_the_host() {
         );
         std::thread::sleep(Duration::from_millis(50));
     };
-    // The key is in a host file the gateway reads; the guest gets a placeholder.
-    let sock = dir.join("gw.sock");
-    let _gateway = Reaped(
-        Command::new(amvm_tests::amvm_bin())
-            .args(["gateway", "--listen", sock.to_str().unwrap()])
-            .args([
-                "--allow",
-                &format!("anthropic=localhost:{port}"),
-                "--ca",
-                "ca.pem",
-            ])
-            .args([
-                "--credential",
-                "localhost=header:x-api-key:@key",
-                "--log",
-                "audit.log",
-            ])
-            .current_dir(&dir)
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    while !sock.exists() {
-        assert!(Instant::now() < until, "the gateway did not start");
-        std::thread::sleep(Duration::from_millis(50));
+    // The run's own gateway (--egress-allow): one rule per API, each with its credential.
+    let path = |f: &str| dir.join(f).to_str().unwrap().to_string();
+    let mut opts: Vec<String> = Vec::new();
+    for (name, _) in KEYS {
+        opts.extend(["--egress-allow".into(), format!("{name}=localhost:{port}")]);
     }
+    opts.extend([
+        "--egress-credential".into(),
+        format!("anthropic=header:x-api-key:@{}", path("anthropic.key")),
+        "--egress-credential".into(),
+        format!("openai=bearer:@{}", path("openai.key")),
+        "--egress-credential".into(),
+        format!("gemini=header:x-goog-api-key:@{}", path("gemini.key")),
+        "--egress-ca".into(),
+        path("ca.pem"),
+        "--egress-log".into(),
+        path("audit.log"),
+        "--system".into(),
+        "harness".into(),
+        "--timeout".into(),
+        PROMPT_TIMEOUT.into(),
+    ]);
+    let opts: Vec<&str> = opts.iter().map(String::as_str).collect();
     let out = run_vm(
-        &[
-            "--system",
-            "harness",
-            "--egress",
-            sock.to_str().unwrap(),
-            "--timeout",
-            PROMPT_TIMEOUT,
-        ],
+        &opts,
         &[
             "sh",
             "-c",
             "export ANTHROPIC_BASE_URL=http://$AMVM_EGRESS_ADDR/anthropic \
              ANTHROPIC_API_KEY=sk-ant-placeholder CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1; \
              claude -p hi 2>&1; echo \"claude exit $?\"; \
-             echo \"key in the guest: $(env | grep -c sk-ant-host-only || true)\"",
+             OPENAI_API_KEY=sk-placeholder codex exec --skip-git-repo-check --disable plugins \
+             -c model_provider=gw -c model_providers.gw.name=gw \
+             -c model_providers.gw.base_url=http://$AMVM_EGRESS_ADDR/openai/v1 \
+             -c model_providers.gw.env_key=OPENAI_API_KEY -c model_providers.gw.wire_api=responses \
+             -c model_providers.gw.stream_max_retries=0 hi </dev/null 2>&1; \
+             echo \"codex exit $?\"; \
+             mkdir -p $HOME/.gemini && printf '%s' \
+             '{\"security\":{\"auth\":{\"selectedType\":\"gemini-api-key\"}},\
+             \"privacy\":{\"usageStatisticsEnabled\":false},\
+             \"general\":{\"enableAutoUpdate\":false,\"enableAutoUpdateNotification\":false}}' \
+             >$HOME/.gemini/settings.json; \
+             GEMINI_API_KEY=placeholder GOOGLE_GEMINI_BASE_URL=http://$AMVM_EGRESS_ADDR/gemini \
+             GEMINI_CLI_TRUST_WORKSPACE=true gemini -m gemini-2.5-flash -p hi </dev/null 2>&1; \
+             echo \"gemini exit $?\"; \
+             echo \"keys in the guest: $(env | grep -c host-only || true)\"",
         ],
     );
     let records = std::fs::read_to_string(dir.join("records")).unwrap_or_default();
@@ -363,36 +377,73 @@ fn claude_code_answers_through_the_gateway_with_the_key_only_on_the_host() {
     );
     let text = out.stdout_str();
     assert_eq!(out.code, 0, "{why}");
-    assert!(text.contains("hello from the stand-in model"), "{why}");
-    assert!(text.contains("claude exit 0"), "{why}");
-    assert!(text.contains("key in the guest: 0"), "{why}");
-    // The upstream got the host's key (not the guest's placeholder) on the Messages API.
-    let calls: Vec<serde_json::Value> = records
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .filter(|r: &serde_json::Value| {
-            r["path"]
-                .as_str()
-                .is_some_and(|p| p.starts_with("/v1/messages"))
-        })
-        .collect();
-    assert!(!calls.is_empty(), "{why}");
-    for c in &calls {
-        let keys: Vec<&serde_json::Value> = c["headers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|h| h[0] == "x-api-key")
-            .map(|h| &h[1])
-            .collect();
-        assert_eq!(keys, [key], "{why}");
+    for cli in ["claude", "codex", "gemini"] {
+        assert!(text.contains(&format!("{cli} exit 0")), "{why}");
     }
-    // Audited, by sandbox, without the key.
     assert!(
-        audit.contains("\"path\":\"/v1/messages\"") && audit.contains("\"status\":200"),
+        text.matches("hello from the stand-in model").count() >= 3,
         "{why}"
     );
+    assert!(text.contains("keys in the guest: 0"), "{why}");
+    // Each API got its own key from the host (not the guest's placeholder), and no other.
+    let records: Vec<serde_json::Value> = records
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for (api, prefix, header, value) in [
+        (
+            "anthropic",
+            "/v1/messages",
+            "x-api-key",
+            KEYS[0].1.to_string(),
+        ),
+        (
+            "openai",
+            "/v1/responses",
+            "authorization",
+            format!("Bearer {}", KEYS[1].1),
+        ),
+        (
+            "gemini",
+            "/v1beta/models/",
+            "x-goog-api-key",
+            KEYS[2].1.to_string(),
+        ),
+    ] {
+        let calls: Vec<&serde_json::Value> = records
+            .iter()
+            .filter(|r| r["path"].as_str().is_some_and(|p| p.starts_with(prefix)))
+            .collect();
+        assert!(!calls.is_empty(), "no {api} call: {why}");
+        for c in calls {
+            let headers = c["headers"].as_array().unwrap();
+            let got: Vec<&serde_json::Value> = headers
+                .iter()
+                .filter(|h| h[0] == header)
+                .map(|h| &h[1])
+                .collect();
+            assert_eq!(got, [&serde_json::json!(value)], "{api}: {why}");
+            let all = c["headers"].to_string();
+            let others = KEYS.iter().filter(|(_, k)| all.contains(k)).count();
+            assert_eq!(others, 1, "{api} saw another API's key: {why}");
+        }
+    }
+    // Audited, by sandbox, without a key.
+    for path in [
+        "\"path\":\"/v1/messages",
+        "\"path\":\"/v1/responses\"",
+        "\"path\":\"/v1beta/models/gemini-2.5-flash:streamGenerateContent",
+    ] {
+        assert!(
+            audit
+                .lines()
+                .any(|l| l.contains(path) && l.contains("\"status\":200")),
+            "{path}: {why}"
+        );
+    }
     assert!(!audit.contains("\"sandbox\":null"), "{why}");
-    assert!(!audit.contains(key) && !text.contains(key), "{why}");
+    for (_, key) in KEYS {
+        assert!(!audit.contains(key) && !text.contains(key), "{why}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

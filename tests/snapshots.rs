@@ -877,3 +877,119 @@ fn remove_upper(dir: &Path) {
     assert!(st.success());
     std::fs::remove_dir_all(dir.join("upper")).unwrap();
 }
+
+/// Kills and reaps a background process when dropped.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_sandbox_s_own_gateway_starts_with_it_comes_back_with_its_restore_and_ends_with_it() {
+    let w = World::new("snapshots", "gateway");
+    // A TLS upstream on loopback that wants a key the sandbox never sees.
+    let up = w.xdg.join("up");
+    std::fs::create_dir_all(&up).unwrap();
+    let standin = Path::new(env!("CARGO_MANIFEST_DIR")).join("standin");
+    let st = Command::new(standin.join("test-ca"))
+        .arg(&up)
+        .status()
+        .unwrap();
+    assert!(st.success(), "tests/standin/test-ca failed");
+    std::fs::write(up.join("key"), "sk-restored-gw-1\n").unwrap();
+    // Its /v1/messages streams at once (no holding back).
+    std::fs::write(up.join("go"), "").unwrap();
+    let _upstream = Reaped(
+        Command::new("python3")
+            .arg(standin.join("tls_upstream.py"))
+            .args(["up.pem", "up.key", "port", "records", "go"])
+            .env("UPSTREAM_KEY", "sk-restored-gw-1")
+            .current_dir(&up)
+            .spawn()
+            .unwrap(),
+    );
+    let until = Instant::now() + Duration::from_secs(60);
+    let port = loop {
+        if let Ok(p) = std::fs::read_to_string(up.join("port")) {
+            break p.trim().to_string();
+        }
+        assert!(
+            Instant::now() < until,
+            "the stand-in upstream did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let allow = format!("api=localhost:{port}");
+    let cred = format!("api=header:x-api-key:@{}", up.join("key").display());
+    let ca = up.join("ca.pem");
+    let log = w.xdg.join("audit.log");
+    w.create(&[
+        "--name",
+        "gw",
+        "--mem",
+        "256",
+        "--egress-allow",
+        &allow,
+        "--egress-credential",
+        &cred,
+        "--egress-ca",
+        ca.to_str().unwrap(),
+        "--egress-log",
+        log.to_str().unwrap(),
+    ]);
+    let gateways = || {
+        let state = w.xdg.join("amvm");
+        amvm_tests::leftovers::processes_with(&format!("{}/", state.display()))
+            .into_iter()
+            .filter(|p| p.contains(" gateway --listen "))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(gateways().len(), 1, "{:?}", gateways());
+    // The key the upstream wants is added on the host: /v1/messages answers 200, not 401.
+    let call = |sb: &str, word: &str| {
+        line_of(
+            &w,
+            sb,
+            &format!(
+                "curl -sS -d {word} http://$AMVM_EGRESS_ADDR/api/echo; \
+                 curl -sS -o /dev/null -w ' %{{http_code}}' http://$AMVM_EGRESS_ADDR/api/v1/messages"
+            ),
+        )
+    };
+    assert_eq!(call("gw", "before"), "before 200");
+    let snap = w.xdg.join("snap");
+    let o = w.amvm(&["snapshot", "--stop", "gw", snap.to_str().unwrap()]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    assert_eq!(w.amvm(&["rm", "gw"]).code, 0);
+    let until = Instant::now() + Duration::from_secs(30);
+    while !gateways().is_empty() {
+        assert!(Instant::now() < until, "left: {:?}", gateways());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The restore starts a gateway of its own with the snapshot's rules.
+    let o = w.amvm(&["create", "--from", snap.to_str().unwrap(), "--name", "back"]);
+    assert_eq!(o.code, 0, "create --from: {}", o.stderr);
+    assert_eq!(gateways().len(), 1, "{:?}", gateways());
+    assert_eq!(call("back", "after"), "after 200");
+    assert_eq!(w.amvm(&["rm", "-f", "back"]).code, 0);
+    let until = Instant::now() + Duration::from_secs(30);
+    while !gateways().is_empty() {
+        assert!(Instant::now() < until, "left: {:?}", gateways());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Audited by each sandbox's name; the key in no line.
+    let audit = std::fs::read_to_string(&log).unwrap();
+    for name in ["gw", "back"] {
+        let mine = audit
+            .lines()
+            .filter(|l| l.contains(&format!("\"sandbox\":\"{name}\"")))
+            .filter(|l| l.contains("\"status\":200"))
+            .count();
+        assert_eq!(mine, 2, "{name}:\n{audit}");
+    }
+    assert!(!audit.contains("sk-restored-gw-1"), "{audit}");
+}

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 #[derive(Debug, clap::Args)]
 pub struct GatewayArgs {
-    /// The settings as a TOML file (the same names: listen, allow, [[credential]] host, header
-    /// and file, ca, log, max_streams, max_request_bytes, idle_timeout); flags add to its
+    /// The settings as a TOML file (the same names: listen, allow, [[credential]] rule, header
+    /// or bearer, and file, ca, log, max_streams, max_request_bytes, idle_timeout); flags add to its
     /// rules and win over its other settings.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -21,8 +21,9 @@ pub struct GatewayArgs {
     /// whose name also routes `http://$AMVM_EGRESS_ADDR/NAME/...` there. Repeatable.
     #[arg(long, value_name = "RULE")]
     pub allow: Vec<String>,
-    /// `HOST=header:NAME:@FILE`: add header NAME, its value FILE's first line, to every
-    /// request forwarded to HOST (an allowed one). Repeatable.
+    /// `RULE=header:NAME:@FILE`: add header NAME, its value FILE's first line, to every
+    /// request forwarded by RULE (a rule's NAME, or its HOST: all rules of that host);
+    /// `RULE=bearer:@FILE` adds `Authorization: Bearer <line>`. Repeatable.
     #[arg(long, value_name = "SPEC")]
     pub credential: Vec<String>,
     /// PEM certificates to trust besides the webpki roots (a private CA).
@@ -323,6 +324,7 @@ pub struct ExecArgs {
 
 /// The VM and the workload's defaults, shared by `run` and `create`.
 #[derive(Debug, clap::Args)]
+#[command(group(clap::ArgGroup::new("egress_any").args(["egress", "egress_allow"]).multiple(true)))]
 pub struct VmArgs {
     /// Share DIR at /workspace (the default working directory): read-only, or with
     /// `DIR:overlay` writable, the writes going to a layer on the host while DIR itself is
@@ -349,9 +351,22 @@ pub struct VmArgs {
     /// Host unix socket the workload may reach through the egress relay.
     #[arg(long, value_name = "SOCKET")]
     pub egress: Option<PathBuf>,
-    /// Append one JSON line per egress stream to FILE (needs --egress).
-    #[arg(long, value_name = "FILE", requires = "egress")]
+    /// Append one JSON line per egress stream to FILE (needs --egress); with --egress-allow,
+    /// the gateway's audit log (one line per request or tunnel).
+    #[arg(long, value_name = "FILE", requires = "egress_any")]
     pub egress_log: Option<PathBuf>,
+    /// Instead of --egress: an egress gateway of the sandbox's own (`amvm gateway`, started
+    /// with it and ending with it) that lets through RULE: `HOST`, `HOST:PORT` or
+    /// `NAME=HOST[:PORT]`, as `amvm gateway --allow`. Repeatable.
+    #[arg(long, value_name = "RULE", conflicts_with = "egress")]
+    pub egress_allow: Vec<String>,
+    /// With --egress-allow: a credential the gateway adds on the host, as `amvm gateway
+    /// --credential` (`RULE=header:NAME:@FILE` or `RULE=bearer:@FILE`). Repeatable.
+    #[arg(long, value_name = "SPEC", requires = "egress_allow")]
+    pub egress_credential: Vec<String>,
+    /// With --egress-allow: PEM certificates the gateway trusts besides the webpki roots.
+    #[arg(long, value_name = "FILE", requires = "egress_allow")]
+    pub egress_ca: Option<PathBuf>,
     /// Read-only system root: `host` projects the host's /usr; NAME is a built image (amvm
     /// image list); DIR (with a `/`) is an unpacked rootfs.
     #[arg(long, value_name = "host|NAME|DIR", default_value = "host")]
@@ -503,6 +518,12 @@ impl VmArgs {
         for t in &mut tmpfs {
             t.path = in_root(&String::from_utf8_lossy(&t.path)).into_bytes();
         }
+        let gateway = config::gateway(
+            &self.egress_allow,
+            &self.egress_credential,
+            self.egress_ca.as_deref(),
+            self.egress_log.as_deref(),
+        )?;
         let cache = config::cache_dir().unwrap_or_default();
         let timeout = match self.timeout {
             Some(0) => return Err(ConfigError::Timeout),
@@ -520,7 +541,7 @@ impl VmArgs {
             hostname: Vec::new(),
             uid,
             gid,
-            egress: self.egress.is_some(),
+            egress: self.egress.is_some() || gateway.is_some(),
             stdin: interactive,
             pids_max: self.pids,
             mounts,
@@ -553,8 +574,14 @@ impl VmArgs {
             seccomp: !self.no_seccomp,
             timeout,
             spec,
+            // A gateway's socket is known once the sandbox's directory is (supervisor.rs).
+            egress_log: if gateway.is_some() {
+                None
+            } else {
+                self.egress_log
+            },
             egress: self.egress,
-            egress_log: self.egress_log,
+            gateway,
             overlay,
             session,
             shares,

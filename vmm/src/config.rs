@@ -37,6 +37,8 @@ pub enum ConfigError {
     Workdir(String),
     #[error("--timeout 0: the limit must be at least 1 second")]
     Timeout,
+    #[error("{0}")]
+    Gateway(String),
     #[error("the command and its environment take {0} bytes, more than the {max} allowed", max = guest_init::protocol::MAX_SPEC_LEN)]
     SpecTooLarge(usize),
     #[error("no default kernel: run images/setup (as root it installs one for every user in /usr/local/lib/amvm), set AMVM_KERNEL, AMVM_CACHE or HOME, or pass --kernel")]
@@ -282,9 +284,12 @@ pub struct RunConfig {
     /// directory instead).
     pub shares: Vec<(String, PathBuf, bool)>,
     pub virtiofsd: PathBuf,
-    /// The host unix socket egress streams go to (`--egress`), and their log.
+    /// The host unix socket egress streams go to (`--egress`, or the gateway's), and their log.
     pub egress: Option<PathBuf>,
     pub egress_log: Option<PathBuf>,
+    /// `--egress-allow`: the sandbox's own gateway, which its supervisor starts (its socket is
+    /// then `egress`).
+    pub gateway: Option<GatewaySpec>,
     /// `--workspace DIR:overlay`.
     pub overlay: Option<Overlay>,
     /// A session (`amvm create`): the unix socket of its supervisor, which the guest's control
@@ -697,4 +702,101 @@ mod tests {
         assert!(check_cpus(33).is_err());
         assert_eq!(check_cpus(2), Ok(2));
     }
+}
+
+/// A sandbox's own egress gateway (`--egress-allow`): `amvm gateway`'s flags, paths absolute.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct GatewaySpec {
+    pub allow: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub credentials: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca: Option<PathBuf>,
+    /// The audit log: `--egress-log`, else `gateway.jsonl` in the sandbox's directory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<PathBuf>,
+}
+
+impl GatewaySpec {
+    /// `amvm gateway`'s arguments for this spec, listening on `listen`, auditing to `log`.
+    pub fn args(&self, listen: &Path, log: &Path) -> Vec<std::ffi::OsString> {
+        let mut a: Vec<std::ffi::OsString> =
+            vec!["gateway".into(), "--listen".into(), listen.into()];
+        for r in &self.allow {
+            a.extend(["--allow".into(), r.into()]);
+        }
+        for c in &self.credentials {
+            a.extend(["--credential".into(), c.into()]);
+        }
+        if let Some(ca) = &self.ca {
+            a.extend(["--ca".into(), ca.into()]);
+        }
+        a.extend(["--log".into(), log.into()]);
+        a
+    }
+}
+
+/// `--egress-allow`, `--egress-credential`, `--egress-ca` (and `--egress-log`): checked as the
+/// gateway will check them (each rule, each credential's file read, the CA parsed), files made
+/// absolute; `None` without a rule.
+pub fn gateway(
+    allow: &[String],
+    credentials: &[String],
+    ca: Option<&Path>,
+    log: Option<&Path>,
+) -> Result<Option<GatewaySpec>, ConfigError> {
+    use amvm_egress::gateway::{Gateway, GatewayError, Options};
+    if allow.is_empty() {
+        return Ok(None);
+    }
+    let abs = |p: &Path| std::path::absolute(p).unwrap_or_else(|_| p.to_owned());
+    // A credential's file, absolute: the gateway starts in another directory.
+    let credentials: Vec<String> = credentials
+        .iter()
+        .map(|c| match c.rsplit_once(":@") {
+            Some((head, file)) if !file.is_empty() => {
+                format!("{head}:@{}", abs(Path::new(file)).display())
+            }
+            _ => c.clone(),
+        })
+        .collect();
+    let spec = GatewaySpec {
+        allow: allow.to_vec(),
+        credentials,
+        ca: ca.map(abs),
+        log: log.map(abs),
+    };
+    let named = |e: GatewayError| {
+        ConfigError::Gateway(match e {
+            GatewayError::Allow(a, why) => format!("--egress-allow {a}: {why}"),
+            GatewayError::Credential(c, why) => format!(
+                "--egress-credential {c}: {}",
+                why.replace("--allow", "--egress-allow")
+            ),
+            GatewayError::Ca(p, why) => format!("--egress-ca {}: {why}", p.display()),
+            e => e.to_string(),
+        })
+    };
+    // The log is opened (appended to) by the gateway itself: its directory must be there.
+    if let Some(log) = &spec.log {
+        if !log.parent().is_some_and(Path::is_dir) {
+            return Err(ConfigError::Gateway(format!(
+                "--egress-log {}: its directory does not exist",
+                log.display()
+            )));
+        }
+    }
+    // Everything but the log (opened by the gateway itself, in append mode).
+    Gateway::new(&Options {
+        listen: PathBuf::new(),
+        allow: spec.allow.clone(),
+        credentials: spec.credentials.clone(),
+        ca: spec.ca.clone(),
+        log: None,
+        max_streams: 64,
+        max_request_bytes: 32 << 20,
+        idle_timeout: Duration::from_secs(300),
+    })
+    .map_err(named)?;
+    Ok(Some(spec))
 }

@@ -277,6 +277,9 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         overlay_size: None,
         egress: annotations.get(ANNOTATION_EGRESS).map(PathBuf::from),
         egress_log: None,
+        egress_allow: Vec::new(),
+        egress_credential: Vec::new(),
+        egress_ca: None,
         system: "host".into(),
         rootfs: Some(format!(
             "{}:{}",
@@ -319,6 +322,7 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         user: format!("{uid}:{gid}"),
         workdir: cwd,
         env: env.clone(),
+        egress_gateway: None,
     };
     let mut cfg = vm
         .into_config(Vec::new(), false, Some(PathBuf::from("/")))

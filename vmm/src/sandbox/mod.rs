@@ -153,6 +153,9 @@ pub struct Config {
     pub user: String,
     pub workdir: String,
     pub env: Vec<String>,
+    /// `--egress-allow`: the gateway its supervisor runs for it (instead of `egress`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_gateway: Option<crate::config::GatewaySpec>,
 }
 
 /// Where this user's sandboxes live.

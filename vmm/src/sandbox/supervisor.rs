@@ -114,6 +114,7 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
         || vm.changes.is_some()
         || vm.overlay_size.is_some()
         || vm.egress_log.is_some()
+        || !vm.egress_allow.is_empty()
         || vm.system != d.system
         || vm.rootfs.is_some()
         || vm.kernel.is_some()
@@ -156,8 +157,28 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
     if let Some(size) = was.overlay_size {
         flag("--overlay-size", size.to_string().into());
     }
-    if let Some(e) = vm.egress.as_ref().or(was.egress.as_ref()) {
-        flag("--egress", e.clone().into());
+    match (&vm.egress, &was.egress_gateway) {
+        (Some(e), _) => flag("--egress", e.clone().into()),
+        // Its own gateway, started anew with the same rules.
+        (None, Some(g)) => {
+            for r in &g.allow {
+                flag("--egress-allow", r.into());
+            }
+            for c in &g.credentials {
+                flag("--egress-credential", c.into());
+            }
+            if let Some(ca) = &g.ca {
+                flag("--egress-ca", ca.into());
+            }
+            if let Some(log) = &g.log {
+                flag("--egress-log", log.into());
+            }
+        }
+        (None, None) => {
+            if let Some(e) = &was.egress {
+                flag("--egress", e.clone().into());
+            }
+        }
     }
     if let Some(t) = was.timeout_seconds {
         flag("--timeout", t.to_string().into());
@@ -244,6 +265,7 @@ pub(crate) fn check(
         user: args.vm.user.clone(),
         workdir: String::new(),
         env: args.vm.env.clone(),
+        egress_gateway: None,
     };
     // Everything checkable is checked before anything is made; the session path is set once
     // the directory exists.
@@ -252,8 +274,11 @@ pub(crate) fn check(
         .into_config(command, false, Some(PathBuf::from("/")))?;
     cfg.spec.argv.clear();
     Ok(Checked {
+        config: Config {
+            egress_gateway: cfg.gateway.clone(),
+            ..config
+        },
         cfg,
-        config,
         name: args.name,
         labels,
     })
@@ -424,7 +449,7 @@ fn redirect(target: i32, path: Option<&Path>) {
 }
 
 /// The supervisor process; its exit status.
-fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: bool) -> i32 {
+fn supervise(mut cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: bool) -> i32 {
     // Absolute: the supervisor leaves this working directory when it enters its own root.
     let dir = &std::path::absolute(dir).unwrap_or_else(|_| dir.to_owned());
     // SAFETY: setsid(2) takes nothing; the forked child is not a group leader.
@@ -462,6 +487,21 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
             let _ = notify.write_all(e.as_bytes());
             return 1;
         }
+    };
+    // `--egress-allow`: the sandbox's own gateway, listening before the VMM starts (which
+    // binds its socket into the VMM's root); it ends with this process.
+    let _gateway = match &cfg.gateway {
+        Some(g) => match start_gateway(g, dir) {
+            Ok(child) => {
+                cfg.egress = Some(dir.join(GATEWAY_SOCK));
+                Some(child)
+            }
+            Err(e) => {
+                let _ = notify.write_all(e.as_bytes());
+                return 1;
+            }
+        },
+        None => None,
     };
     // The channel to the VMM (vmmctl.rs: pause, resume); close-on-exec, so virtiofsd never
     // holds it.
@@ -577,6 +617,73 @@ fn supervise(cfg: RunConfig, mut info: Info, dir: &Path, notify: OwnedFd, tied: 
     let _ = std::fs::remove_file(dir.join("api.sock"));
     let _ = std::fs::remove_file(dir.join("guest.sock"));
     code
+}
+
+/// A sandbox's own gateway's socket, in its directory.
+const GATEWAY_SOCK: &str = "egress.sock";
+/// How long its gateway may take to listen.
+const GATEWAY_START: Duration = Duration::from_secs(30);
+
+/// Start `amvm gateway` for `spec` on `DIR/egress.sock` (its audit to the spec's log, else
+/// `DIR/gateway.jsonl`; its stderr this process's, supervisor.log) and wait until it
+/// listens. It gets SIGTERM when this process ends, and then removes its socket.
+fn start_gateway(
+    spec: &crate::config::GatewaySpec,
+    dir: &Path,
+) -> Result<std::process::Child, String> {
+    use std::os::unix::process::CommandExt;
+    let sock = dir.join(GATEWAY_SOCK);
+    let log = spec
+        .log
+        .clone()
+        .unwrap_or_else(|| dir.join("gateway.jsonl"));
+    let me = std::process::id();
+    let mut cmd = std::process::Command::new("/proc/self/exe");
+    cmd.arg0("amvm")
+        .args(spec.args(&sock, &log))
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null());
+    let hook = move || -> std::io::Result<()> {
+        // SAFETY: prctl(2) with integer arguments.
+        if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM, 0, 0, 0) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: getppid(2) takes nothing and cannot fail.
+        if unsafe { libc::getppid() } as u32 != me {
+            return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        Ok(())
+    };
+    // SAFETY: the hook runs between fork and exec in the child; it calls only prctl(2) and
+    // getppid(2), which are async-signal-safe, and allocates nothing.
+    unsafe { cmd.pre_exec(hook) };
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("starting the egress gateway: {e}"))?;
+    let until = std::time::Instant::now() + GATEWAY_START;
+    loop {
+        if std::os::unix::net::UnixStream::connect(&sock).is_ok() {
+            return Ok(child);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            // It said why on our stderr.
+            let why = std::fs::read_to_string(dir.join("supervisor.log"))
+                .ok()
+                .and_then(|l| last_word(&l))
+                .map(|w| w.trim_start_matches("amvm: ").to_string())
+                .unwrap_or_else(|| format!("it ended ({status})"));
+            return Err(format!("the egress gateway did not start: {why}"));
+        }
+        if std::time::Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!(
+                "the egress gateway did not listen within {} s",
+                GATEWAY_START.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// The supervisor's jail, entered once its VMM is forked (which jails itself): an empty
