@@ -730,10 +730,15 @@ impl Gateway {
         let up = Arc::new(AtomicU64::new(0));
         let limit = self.max_request_bytes;
         let counted_up = up.clone();
+        // When the guest last sent a byte of the body (ms after `started`): an upload that
+        // moves is not idle, however long it takes.
+        let moved = Arc::new(AtomicU64::new(0));
+        let moved_up = moved.clone();
         let body = body
             .map_frame(move |f| {
                 if let Some(d) = f.data_ref() {
                     counted_up.fetch_add(d.len() as u64, Ordering::Relaxed);
+                    moved_up.store(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 }
                 f
             })
@@ -742,17 +747,34 @@ impl Gateway {
             .map_err(|e| io::Error::other(e.to_string()))
             .boxed();
         let upstream_req = Request::from_parts(parts, body);
-        let answer = tokio::time::timeout(self.idle_timeout, self.send(&rule, upstream_req)).await;
+        // The answer's head, while either side moves: --idle-timeout after the guest's last
+        // byte up with no answer ends the stream (a stalled upload, a silent upstream).
+        let send = self.send(&rule, upstream_req);
+        tokio::pin!(send);
+        let answer = loop {
+            let last = moved.load(Ordering::Relaxed);
+            let deadline = started + Duration::from_millis(last) + self.idle_timeout;
+            match tokio::time::timeout_at(deadline.into(), &mut send).await {
+                Ok(r) => break Some(r),
+                Err(_) if moved.load(Ordering::Relaxed) == last => break None,
+                Err(_) => continue,
+            }
+        };
         let (response, sender) = match answer {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => {
                 return self.failed(rec, started, format!("{}:{}: {e}", rule.host, rule.port))
             }
-            Err(_) => {
+            None => {
                 return self.failed(
                     rec,
                     started,
-                    format!("{}:{}: no answer", rule.host, rule.port),
+                    format!(
+                        "{}:{}: nothing moved for {} s (--idle-timeout)",
+                        rule.host,
+                        rule.port,
+                        self.idle_timeout.as_secs()
+                    ),
                 )
             }
         };

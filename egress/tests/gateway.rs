@@ -473,6 +473,44 @@ fn streams_beyond_the_limit_get_503_and_bad_options_are_refused() {
             .contains("--idle-timeout"),
         "{stalled}"
     );
+    // An upload that keeps moving is not idle, however long it takes (3.2 s, the timeout
+    // 2 s); one that stops is ended after the timeout, its stream freed.
+    let mut u = UnixStream::connect(&idle_sock).unwrap();
+    u.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    u.write_all(
+        b"POST /up/echo HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Length: 8\r\n\r\n",
+    )
+    .unwrap();
+    for b in b"slowpost" {
+        std::thread::sleep(Duration::from_millis(400));
+        u.write_all(&[*b]).unwrap();
+    }
+    let mut all = Vec::new();
+    let _ = u.read_to_end(&mut all);
+    let (status, _, body) = split(&all);
+    assert_eq!((status, body.as_slice()), (200, &b"slowpost"[..]));
+    let mut u = UnixStream::connect(&idle_sock).unwrap();
+    u.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    u.write_all(
+        b"POST /up/echo HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Length: 8\r\n\r\nstop",
+    )
+    .unwrap();
+    let mut all = Vec::new();
+    let _ = u.read_to_end(&mut all);
+    let (status, _, _) = split(&all);
+    assert_eq!(status, 502);
+    std::thread::sleep(Duration::from_millis(300));
+    let stopped = audit(&bed)
+        .into_iter()
+        .find(|l| l["path"] == "/echo" && l["status"] == 502)
+        .expect("the stopped upload's line");
+    assert!(
+        stopped["error"]
+            .as_str()
+            .unwrap()
+            .contains("nothing moved for 2 s"),
+        "{stopped}"
+    );
     // Bad options: a rule with a scheme, a credential for a host no rule allows, a CA that
     // is not PEM.
     let base = Options {

@@ -38,7 +38,7 @@ pub struct GatewayArgs {
     /// A request body larger than this many bytes gets 413 (default 32 MiB).
     #[arg(long, value_name = "BYTES")]
     pub max_request_bytes: Option<u64>,
-    /// Close a tunnel, or give up on an upstream, after this many seconds without a byte
+    /// Close a tunnel, or give up on an upload or an upstream, after this many seconds without a byte
     /// (default 300).
     #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..))]
     pub idle_timeout: Option<u64>,
