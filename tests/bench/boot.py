@@ -151,12 +151,29 @@ def qemu_argv(kernel, initrd, mem):
     ]
 
 
+def firecracker_argv(fc, kernel, initrd, mem, tmp):
+    """The second peer: Firecracker (tests/bench/firecracker) booting KERNEL to the same
+    initramfs, no API socket, its config in a file; reboot=k: the guest's keyboard-controller
+    reset is Firecracker's exit."""
+    import json
+    cfg = os.path.join(tmp, f"firecracker-{mem}.json")
+    with open(cfg, "w") as f:
+        json.dump({
+            "boot-source": {"kernel_image_path": kernel, "initrd_path": initrd,
+                            "boot_args": "console=ttyS0 reboot=k panic=-1 quiet rdinit=/init"},
+            "drives": [],
+            "machine-config": {"vcpu_count": 1, "mem_size_mib": mem},
+        }, f)
+    return [fc, "--no-api", "--config-file", cfg, "--level", "Error"]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--make-initrd", nargs=2, metavar=("INIT", "OUT"))
     ap.add_argument("--amvm")
     ap.add_argument("--kernel")
     ap.add_argument("--initrd")
+    ap.add_argument("--firecracker", help="a Firecracker binary: a third side in the first pass")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--mem", type=int, default=512)
     ap.add_argument("--density", default="", help="comma-separated N: start N VMs at once per side")
@@ -166,6 +183,10 @@ def main():
         return 0
 
     qemu = qemu_argv(a.kernel, a.initrd, a.mem)
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix="amvm-bench-boot.")
+    fc_name = "firecracker -> init reboots"
+    firecracker = a.firecracker and firecracker_argv(a.firecracker, a.kernel, a.initrd, a.mem, tmp)
     amvm = [a.amvm, "run", "--mem", str(a.mem), "--kernel", a.kernel]
     model = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
     env = f"CPU: {model}; {os.cpu_count()} CPUs"
@@ -177,16 +198,24 @@ def main():
     # side's runs by what ran just before.
     peer = "qemu microvm -> init reboots"
     default = ("amvm run -- true", amvm + ["--", "true"])
+    # With --firecracker, the first pass has it as a third side; the order then rotates
+    # (A B C, B C A, C A B, ...).
     for label, ours, target in ((*default, "< 1.0"),
                                 ("amvm run --huge-pages -- true", amvm + ["--huge-pages", "--", "true"], "")):
         sides = {label: ours, peer: qemu}
+        if firecracker and ours is default[1]:
+            sides[fc_name] = firecracker
         names = list(sides)
         results = {k: [] for k in sides}
         after = {(k, j): [] for k in sides for j in sides}
         rss = {k: [] for k in sides}
         prev = None
         for r in range(a.runs + 1):
-            for name in (names if r % 2 == 0 else names[::-1]):
+            if len(names) == 2:
+                order = names if r % 2 == 0 else names[::-1]
+            else:
+                order = names[r % len(names):] + names[:r % len(names)]
+            for name in order:
                 dt, code, maxrss, err = timed(sides[name])
                 if code != 0:
                     print(f"{name}: exit {code}\n{err}", file=sys.stderr)
@@ -201,15 +230,24 @@ def main():
               f" {'after self':>11} {'after other':>12}")
         for name in names:
             xs = results[name]
-            other = names[1 - names.index(name)]
+            others = [x for j in names if j != name for x in after[(name, j)]]
             med = lambda v: f"{statistics.median(v):.3f}" if v else "-"
             print(f"{name:34} {statistics.median(xs):9.3f} {min(xs):7.3f} {max(xs):7.3f} {statistics.pstdev(xs):7.3f}"
                   f" {statistics.median(rss[name]) / 1024:13.1f} {med(after[(name, name)]):>11}"
-                  f" {med(after[(name, other)]):>12}")
+                  f" {med(others):>12}")
         ratio = statistics.median(results[label]) / statistics.median(results[peer])
         print(f"{'ratio amvm / qemu microvm (median)':34} {ratio:9.2f}")
         print(f"SUMMARY|boot: {label} vs qemu microvm|{statistics.median(results[label]):.3f} s"
               f"|{statistics.median(results[peer]):.3f} s|{ratio:.2f}|{target}")
+        if fc_name in results:
+            fc_ratio = statistics.median(results[fc_name]) / statistics.median(results[peer])
+            vs_fc = statistics.median(results[label]) / statistics.median(results[fc_name])
+            print(f"{'ratio firecracker / qemu microvm':34} {fc_ratio:9.2f}")
+            print(f"{'ratio amvm / firecracker':34} {vs_fc:9.2f}")
+            print(f"SUMMARY|boot: firecracker vs qemu microvm|{statistics.median(results[fc_name]):.3f} s"
+                  f"|{statistics.median(results[peer]):.3f} s|{fc_ratio:.2f}|")
+            print(f"SUMMARY|boot: {label} vs firecracker|{statistics.median(results[label]):.3f} s"
+                  f"|{statistics.median(results[fc_name]):.3f} s|{vs_fc:.2f}|<= 1.0")
 
     # Where a run's time goes: the guest's clock (/proc/uptime, from the kernel's timekeeping
     # start) when the workload runs, against the whole run measured outside.
