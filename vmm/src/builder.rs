@@ -300,6 +300,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
     let (entry, transport) = attach_virtio(&vm, &mem, &mut mmio, 0, Arc::new(Mutex::new(vsock)))?;
     let mut virtio_entries = vec![entry];
     transports.push(transport);
+    t.mark("legacy devices and vsock attached");
 
     // Guest memory contents: kernel, then the initramfs above it, then the boot tables (a
     // restored guest has them all already).
@@ -307,6 +308,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         Some(_) => None,
         None => {
             let kernel = boot::load_kernel(&mem, &cfg.kernel)?;
+            t.mark("kernel loaded");
             let initrd = build_initramfs();
             let initrd_addr = boot::load_initramfs(&mem, mem_bytes, &kernel, &initrd)?;
             let initrd_len = initrd.len();
