@@ -264,16 +264,6 @@ fn gemini_cli_prompt_reaches_the_egress() {
     }
 }
 
-/// Kills and reaps a background process when dropped.
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// The three keys, each only in a host file: the guest gets placeholders.
 const KEYS: [(&str, &str); 3] = [
     ("anthropic", "sk-ant-host-only-7f3e"),
@@ -288,37 +278,19 @@ fn the_three_clis_answer_through_the_gateway_with_their_keys_only_on_the_host() 
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     // A stand-in of the three model APIs over real TLS, its certificate from a CA made here.
-    let st = Command::new(repo().join("tests/standin/test-ca"))
-        .arg(&dir)
-        .status()
-        .unwrap();
-    assert!(st.success(), "tests/standin/test-ca failed");
     for (name, key) in KEYS {
         std::fs::write(dir.join(format!("{name}.key")), format!("{key}\n")).unwrap();
     }
-    let _upstream = Reaped(
-        Command::new("python3")
-            .arg(repo().join("tests/standin/tls_upstream.py"))
-            .args(["up.pem", "up.key", "port", "records", "go"])
-            .env("UPSTREAM_KEY", KEYS[0].1)
-            .env("UPSTREAM_OPENAI_KEY", KEYS[1].1)
-            .env("UPSTREAM_GEMINI_KEY", KEYS[2].1)
-            .env("UPSTREAM_MODEL", "1")
-            .current_dir(&dir)
-            .spawn()
-            .unwrap(),
+    let upstream = amvm_tests::TlsUpstream::start(
+        &dir,
+        &[
+            ("UPSTREAM_KEY", KEYS[0].1),
+            ("UPSTREAM_OPENAI_KEY", KEYS[1].1),
+            ("UPSTREAM_GEMINI_KEY", KEYS[2].1),
+            ("UPSTREAM_MODEL", "1"),
+        ],
     );
-    let until = Instant::now() + Duration::from_secs(60);
-    let port = loop {
-        if let Ok(p) = std::fs::read_to_string(dir.join("port")) {
-            break p.trim().to_string();
-        }
-        assert!(
-            Instant::now() < until,
-            "the stand-in model API did not start"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let port = &upstream.port;
     // The run's own gateway (--egress-allow): one rule per API, each with its credential.
     let path = |f: &str| dir.join(f).to_str().unwrap().to_string();
     let mut opts: Vec<String> = Vec::new();

@@ -878,51 +878,17 @@ fn remove_upper(dir: &Path) {
     std::fs::remove_dir_all(dir.join("upper")).unwrap();
 }
 
-/// Kills and reaps a background process when dropped.
-struct Reaped(std::process::Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 #[test]
 fn a_sandbox_s_own_gateway_starts_with_it_comes_back_with_its_restore_and_ends_with_it() {
     let w = World::new("snapshots", "gateway");
     // A TLS upstream on loopback that wants a key the sandbox never sees.
     let up = w.xdg.join("up");
     std::fs::create_dir_all(&up).unwrap();
-    let standin = Path::new(env!("CARGO_MANIFEST_DIR")).join("standin");
-    let st = Command::new(standin.join("test-ca"))
-        .arg(&up)
-        .status()
-        .unwrap();
-    assert!(st.success(), "tests/standin/test-ca failed");
     std::fs::write(up.join("key"), "sk-restored-gw-1\n").unwrap();
     // Its /v1/messages streams at once (no holding back).
     std::fs::write(up.join("go"), "").unwrap();
-    let _upstream = Reaped(
-        Command::new("python3")
-            .arg(standin.join("tls_upstream.py"))
-            .args(["up.pem", "up.key", "port", "records", "go"])
-            .env("UPSTREAM_KEY", "sk-restored-gw-1")
-            .current_dir(&up)
-            .spawn()
-            .unwrap(),
-    );
-    let until = Instant::now() + Duration::from_secs(60);
-    let port = loop {
-        if let Ok(p) = std::fs::read_to_string(up.join("port")) {
-            break p.trim().to_string();
-        }
-        assert!(
-            Instant::now() < until,
-            "the stand-in upstream did not start"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let upstream = amvm_tests::TlsUpstream::start(&up, &[("UPSTREAM_KEY", "sk-restored-gw-1")]);
+    let port = &upstream.port;
     let allow = format!("api=localhost:{port}");
     let cred = format!("api=header:x-api-key:@{}", up.join("key").display());
     let ca = up.join("ca.pem");

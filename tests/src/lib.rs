@@ -481,3 +481,55 @@ pub mod egress_server {
         }
     }
 }
+
+/// tests/standin/tls_upstream.py on 127.0.0.1 in `dir`, behind a certificate for localhost from
+/// a throw-away CA that tests/standin/test-ca makes there first (`dir/ca.pem`); killed and
+/// reaped on drop.
+pub struct TlsUpstream {
+    child: std::process::Child,
+    /// Its port, as it wrote it to `dir/port`.
+    pub port: String,
+}
+
+impl TlsUpstream {
+    /// Start it with `env` (its keys and modes: the script's docstring) and wait until it
+    /// listens.
+    pub fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> TlsUpstream {
+        let standin = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("standin");
+        let st = Command::new(standin.join("test-ca"))
+            .arg(dir)
+            .status()
+            .expect("tests/standin/test-ca");
+        assert!(st.success(), "tests/standin/test-ca failed");
+        let child = Command::new("python3")
+            .arg(standin.join("tls_upstream.py"))
+            .args(["up.pem", "up.key", "port", "records", "go"])
+            .envs(env.iter().copied())
+            .current_dir(dir)
+            .spawn()
+            .expect("python3 tests/standin/tls_upstream.py");
+        let mut up = TlsUpstream {
+            child,
+            port: String::new(),
+        };
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        up.port = loop {
+            if let Ok(p) = std::fs::read_to_string(dir.join("port")) {
+                break p.trim().to_string();
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "the stand-in TLS upstream did not start"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        };
+        up
+    }
+}
+
+impl Drop for TlsUpstream {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
