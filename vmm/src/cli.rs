@@ -178,8 +178,8 @@ pub enum Command {
         #[arg(value_name = "SANDBOX")]
         sandbox: String,
     },
-    /// List or remove built system images (`--system NAME`); recipes build them
-    /// (images/harness/build).
+    /// List, import or remove images: built system images (`--system NAME`; recipes build
+    /// them, images/harness/build) and OCI images (`--image REF`).
     #[command(subcommand)]
     Image(ImageCommand),
     /// Check that this host can run a sandbox (KVM, its kind and access, the kernel,
@@ -225,18 +225,33 @@ pub struct ApplyArgs {
 
 #[derive(Debug, clap::Subcommand)]
 pub enum ImageCommand {
-    /// List the built images: name, size, when built, what is in them.
+    /// List the images: built ones (`--system NAME`) and imported ones (`--image REF`):
+    /// name, id, size, when, what is in them or where they came from.
     List,
-    /// Print the root filesystem directory of image NAME.
+    /// Print the root filesystem directory of image NAME (a built image's name, or an
+    /// imported image's name or id).
     Path {
         /// The image's name.
         name: String,
     },
-    /// Remove image NAME.
+    /// Remove image NAME; for an imported image, also its layers and blobs no other image
+    /// needs.
     Rm {
         /// The image's name.
         name: String,
     },
+    /// Add the images of FILE or DIR to the store (`--image REF` runs them): a `docker save`
+    /// or `podman save` archive (docker-archive or oci-archive, plain, gzip or zstd), or an
+    /// OCI image layout directory. Prints each image's name.
+    Import {
+        /// Name the image REF (for an archive of one image that has none, or to rename it).
+        #[arg(long, value_name = "REF")]
+        name: Option<String>,
+        #[arg(value_name = "FILE|DIR")]
+        path: PathBuf,
+    },
+    /// Remove from the store what no image needs (and what interrupted imports left).
+    Prune,
 }
 
 #[derive(Debug, clap::Args)]
@@ -251,8 +266,13 @@ pub struct RunArgs {
     /// is then a sandbox made for it (amvm create, exec -t, rm).
     #[arg(short = 't', long)]
     pub tty: bool,
-    /// The command and its arguments.
-    #[arg(required = true, trailing_var_arg = true, value_name = "COMMAND")]
+    /// The command and its arguments (with --image: the image's Entrypoint runs it, as
+    /// Docker's arguments replace Cmd; without one, the image's Entrypoint and Cmd).
+    #[arg(
+        required_unless_present = "image",
+        trailing_var_arg = true,
+        value_name = "COMMAND"
+    )]
     pub command: Vec<OsString>,
 }
 
@@ -371,6 +391,13 @@ pub struct VmArgs {
     /// image list); DIR (with a `/`) is an unpacked rootfs.
     #[arg(long, value_name = "host|NAME|DIR", default_value = "host")]
     pub system: String,
+    /// Run image REF (`amvm image import` stored it) as the root: its files read-only, its
+    /// config's Entrypoint, Cmd, Env, WorkingDir and User as Docker uses them (flags win).
+    #[arg(long, value_name = "REF", conflicts_with_all = ["system", "rootfs"])]
+    pub image: Option<String>,
+    /// The image's Entrypoint and Cmd, once `--image` is resolved.
+    #[arg(skip)]
+    pub image_command: Option<(Vec<String>, Vec<String>)>,
     /// A whole root file system (a container's: its own /etc, /bin, ...) as the workload's /,
     /// instead of --system's: read-only unless `:rw` (which lets the guest write DIR itself).
     /// Its mount points (/proc, /sys, /dev, volumes) must exist unless it is writable.
@@ -399,9 +426,9 @@ pub struct VmArgs {
     /// Working directory inside the guest.
     #[arg(short = 'w', long = "workdir", value_name = "DIR")]
     pub workdir: Option<String>,
-    /// UID[:GID] the workload runs as.
-    #[arg(long, value_name = "UID[:GID]", default_value = "1000:1000")]
-    pub user: String,
+    /// UID[:GID] the workload runs as (default 1000:1000, or an --image's own User).
+    #[arg(long, value_name = "UID[:GID]")]
+    pub user: Option<String>,
     /// Show the guest's kernel log on stderr.
     #[arg(long)]
     pub console: bool,
@@ -420,10 +447,105 @@ pub struct VmArgs {
     pub no_seccomp: bool,
 }
 
+/// The workload's user when neither `--user` nor an image says: unprivileged.
+pub const DEFAULT_USER: &str = "1000:1000";
+
 impl VmArgs {
+    /// `--image REF`: find it in the store and turn it into the flags it stands for: its root
+    /// as `--rootfs` (read-only), and its config's User, Env and WorkingDir where no flag
+    /// says otherwise (a tmpfs on /tmp too, as a container has a writable /tmp). Done once;
+    /// again it changes nothing.
+    pub fn resolve_image(mut self) -> Result<Self, ConfigError> {
+        let Some(image) = self.image.clone() else {
+            return Ok(self);
+        };
+        if self.image_command.is_some() {
+            return Ok(self);
+        }
+        let bad = |why: String| ConfigError::Image(image.clone(), why);
+        let store = crate::store::Store::default_dir()
+            .and_then(|d| crate::store::Store::open(&d))
+            .map_err(|e| bad(e.to_string()))?;
+        let found = store.for_run(&image).map_err(|e| bad(e.to_string()))?;
+        let d = found.defaults;
+        let (uid, gid, home) = match (&self.user, &d.user) {
+            (Some(u), _) => {
+                let (uid, gid) = config::parse_user(u)?;
+                let home = crate::store::resolve_user(&found.root, &uid.to_string())
+                    .ok()
+                    .and_then(|(_, _, h)| h);
+                (uid, gid, home)
+            }
+            (None, Some(u)) => {
+                crate::store::resolve_user(&found.root, u).map_err(|e| bad(e.to_string()))?
+            }
+            (None, None) => {
+                let (uid, gid) = config::parse_user(DEFAULT_USER)?;
+                (uid, gid, None)
+            }
+        };
+        self.user = Some(format!("{uid}:{gid}"));
+        let mut env = vec![format!("HOME={}", home.as_deref().unwrap_or("/"))];
+        env.extend(d.env.iter().cloned());
+        env.append(&mut self.env);
+        self.env = env;
+        if self.workdir.is_none() {
+            self.workdir = d.workdir.clone();
+        }
+        if !self.tmpfs.iter().any(|t| {
+            t.split(':')
+                .next()
+                .is_some_and(|p| p.trim_end_matches('/') == "/tmp")
+        }) {
+            self.tmpfs.push("/tmp:rw,mode=1777".into());
+        }
+        self.rootfs = Some(format!("{}:ro", found.root.display()));
+        self.image = Some(found.record.name);
+        self.image_command = Some((d.entrypoint, d.cmd));
+        Ok(self)
+    }
+
     /// Validate everything that can be checked without touching the host. `session`: the
     /// supervisor socket of a sandbox (`amvm create`; then `command` is empty).
     pub fn into_config(
+        self,
+        command: Vec<OsString>,
+        interactive: bool,
+        session: Option<PathBuf>,
+    ) -> Result<RunConfig, ConfigError> {
+        let this = self.resolve_image()?;
+        let command = this.run_argv(command, session.is_none())?;
+        this.into_config_resolved(command, interactive, session)
+    }
+
+    /// A run's command with `--image` resolved: the image's Entrypoint, then the command
+    /// given or else the image's Cmd (Docker's rule). `needed`: an empty result is an error.
+    pub fn run_argv(
+        &self,
+        command: Vec<OsString>,
+        needed: bool,
+    ) -> Result<Vec<OsString>, ConfigError> {
+        let Some((entrypoint, cmd)) = &self.image_command else {
+            return Ok(command);
+        };
+        let rest = if command.is_empty() {
+            cmd.iter().map(OsString::from).collect()
+        } else {
+            command
+        };
+        let argv: Vec<OsString> = entrypoint.iter().map(OsString::from).chain(rest).collect();
+        if argv.is_empty() && needed {
+            return Err(ConfigError::Image(
+                self.image.clone().unwrap_or_default(),
+                "it has no Entrypoint or Cmd: give a command after --".into(),
+            ));
+        }
+        Ok(argv)
+    }
+
+    /// [`VmArgs::into_config`] once [`VmArgs::resolve_image`] was done and the command is
+    /// the whole command.
+    pub(crate) fn into_config_resolved(
         self,
         command: Vec<OsString>,
         interactive: bool,
@@ -457,7 +579,7 @@ impl VmArgs {
             (Some(lower), true) => Some(config::overlay(lower, self.changes.as_deref(), size)?),
             _ => None,
         };
-        let (uid, gid) = config::parse_user(&self.user)?;
+        let (uid, gid) = config::parse_user(self.user.as_deref().unwrap_or(DEFAULT_USER))?;
         let cwd = match self.workdir {
             Some(w) if w.starts_with('/') => w,
             Some(w) => return Err(ConfigError::Workdir(w)),

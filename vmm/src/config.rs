@@ -29,6 +29,8 @@ pub enum ConfigError {
     Mem(u64),
     #[error("--cpus {0}: must be between 1 and {max}", max = mptable::MAX_CPUS)]
     Cpus(u8),
+    #[error("--image {0}: {1}")]
+    Image(String, String),
     #[error("--user {0:?}: expected UID or UID:GID (numbers)")]
     User(String),
     #[error("-e {0:?}: expected KEY=VALUE with a non-empty KEY")]

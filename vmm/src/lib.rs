@@ -23,6 +23,7 @@ pub mod scm;
 pub mod seccomp;
 pub mod signals;
 pub mod snapshot;
+pub mod store;
 pub mod vmmctl;
 pub mod vstate;
 

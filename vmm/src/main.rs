@@ -173,41 +173,124 @@ fn main() -> ExitCode {
     }
 }
 
-/// `amvm image list|path|rm`: the built images in `$AMVM_CACHE/images`.
+/// `amvm image list|path|rm|import|prune`: the built images in `$AMVM_CACHE/images` and the
+/// OCI images in the store (`$AMVM_CACHE/oci`).
 fn image(cmd: ImageCommand) -> ExitCode {
     use amvm::image;
-    let run = || -> Result<(), image::ImageError> {
-        let dir = image::images_dir()?;
+    use amvm::store::{self, Store};
+    let store = || -> anyhow::Result<Store> { Ok(Store::open(&Store::default_dir()?)?) };
+    // A bare word that names a built image is that; anything else is an OCI image's name.
+    let built = |name: &str| -> Option<image::Image> {
+        let dir = image::images_dir().ok()?;
+        image::is_name(name)
+            .then(|| image::find(&dir, name).ok())
+            .flatten()
+    };
+    // An imported image; for a name that is in neither place, the error that fits it: a bare
+    // word is said as a built image's name (it may be a recipe not yet built).
+    let stored = |name: &str| -> anyhow::Result<store::Found> {
+        match store()?.for_run(name) {
+            Ok(f) => Ok(f),
+            Err(store::StoreError::NotFound(_)) if image::is_name(name) => {
+                Err(match image::find(&image::images_dir()?, name) {
+                    Ok(_) => store::StoreError::NotFound(name.to_string()).into(),
+                    Err(e) => e.into(),
+                })
+            }
+            Err(store::StoreError::BadRef(..)) if image::check_name(name).is_err() => {
+                Err(match image::check_name(name) {
+                    Ok(()) => store::StoreError::NotFound(name.to_string()).into(),
+                    Err(e) => e.into(),
+                })
+            }
+            Err(e) => Err(e.into()),
+        }
+    };
+    let run = || -> anyhow::Result<()> {
         match cmd {
             ImageCommand::List => {
-                let all = image::list(&dir)?;
-                if all.is_empty() {
+                let dir = image::images_dir()?;
+                // (name, id, size, when, what)
+                let mut rows: Vec<[String; 5]> = image::list(&dir)?
+                    .into_iter()
+                    .map(|i| {
+                        [
+                            i.name,
+                            "-".into(),
+                            i.size_bytes.map_or("?".into(), image::human_size),
+                            i.built.unwrap_or_else(|| "?".into()),
+                            i.versions.unwrap_or_default(),
+                        ]
+                    })
+                    .collect();
+                for r in store()?.list()? {
+                    rows.push([
+                        r.name,
+                        r.id.short().to_string(),
+                        image::human_size(r.size),
+                        r.stored.chars().take(19).collect::<String>() + "Z",
+                        r.source,
+                    ]);
+                }
+                if rows.is_empty() {
                     eprintln!(
-                        "amvm: no images in {} (build one with images/harness/build)",
-                        dir.display()
+                        "amvm: no images (build one with images/harness/build, or amvm image \
+                         import an archive)"
                     );
                     return Ok(());
                 }
-                let width = all.iter().map(|i| i.name.len()).max().unwrap_or(4).max(4);
+                let width = rows.iter().map(|r| r[0].len()).max().unwrap_or(4).max(4);
                 let mut out = std::io::stdout().lock();
                 let _ = writeln!(
                     out,
-                    "{:width$}  {:>8}  {:20}  CONTENTS",
-                    "NAME", "SIZE", "BUILT"
+                    "{:width$}  {:12}  {:>8}  {:20}  CONTENTS",
+                    "NAME", "ID", "SIZE", "WHEN"
                 );
-                for i in all {
-                    let size = i.size_bytes.map_or("?".into(), image::human_size);
-                    let built = i.built.as_deref().unwrap_or("?");
-                    let what = i.versions.as_deref().unwrap_or("");
-                    let _ = writeln!(out, "{:width$}  {size:>8}  {built:20}  {what}", i.name);
+                for [name, id, size, when, what] in rows {
+                    let _ = writeln!(out, "{name:width$}  {id:12}  {size:>8}  {when:20}  {what}");
                 }
             }
-            ImageCommand::Path { name } => {
-                println!("{}", image::find(&dir, &name)?.rootfs.display());
+            ImageCommand::Path { name } => match built(&name) {
+                Some(i) => println!("{}", i.rootfs.display()),
+                None => println!("{}", stored(&name)?.root.display()),
+            },
+            ImageCommand::Rm { name } => match built(&name) {
+                Some(_) => {
+                    image::remove(&image::images_dir()?, &name)?;
+                    eprintln!("amvm: removed image {name}");
+                }
+                None => {
+                    stored(&name)?;
+                    let (r, freed) = store()?.remove(&name)?;
+                    eprintln!(
+                        "amvm: removed image {} ({}; {} freed)",
+                        r.name,
+                        r.id.short(),
+                        image::human_size(freed)
+                    );
+                }
+            },
+            ImageCommand::Import { path, name } => {
+                let s = store()?;
+                let mut say = |line: String| eprintln!("amvm: {line}");
+                let records = store::import::import(&s, &path, name.as_deref(), &mut say)?;
+                for r in records {
+                    println!("{}", r.name);
+                    eprintln!(
+                        "amvm: imported {} ({}, {} layers, {})",
+                        r.name,
+                        r.id.short(),
+                        r.layers.len(),
+                        image::human_size(r.size)
+                    );
+                }
             }
-            ImageCommand::Rm { name } => {
-                image::remove(&dir, &name)?;
-                eprintln!("amvm: removed image {name}");
+            ImageCommand::Prune => {
+                let freed = store()?.prune()?;
+                eprintln!(
+                    "amvm: pruned the image store: {} freed",
+                    image::human_size(freed)
+                );
             }
         }
         Ok(())
@@ -215,7 +298,7 @@ fn image(cmd: ImageCommand) -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("amvm: {e}");
+            eprintln!("amvm: {e:#}");
             ExitCode::from(exit::AMVM_FAILURE)
         }
     }
@@ -227,6 +310,7 @@ fn apply(args: amvm::cli::ApplyArgs) -> ExitCode {
     let opts = Options {
         check_only: args.check,
         skip_refused: args.skip_refused,
+        any_symlink: false,
     };
     let mut say = |line: String| eprintln!("amvm: apply: {line}");
     match apply(&args.changes, &args.dir, opts, &mut say) {

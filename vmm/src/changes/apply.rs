@@ -68,6 +68,10 @@ pub struct Options {
     pub check_only: bool,
     /// Apply what may be applied even when some entries are refused.
     pub skip_refused: bool,
+    /// An image's layer (the image store): a symlink may point anywhere, absolute targets
+    /// included, since neither amvm nor virtiofsd ever follows one on the host (paths are
+    /// walked with `O_NOFOLLOW`) and the guest resolves it inside its own root.
+    pub any_symlink: bool,
 }
 
 /// What an apply did.
@@ -176,7 +180,7 @@ enum Action<'a> {
     },
 }
 
-fn plan(e: &Entry) -> Result<Action<'_>, String> {
+fn plan(e: &Entry, any_symlink: bool) -> Result<Action<'_>, String> {
     let comps = components(&e.path)?;
     let Some((&last, parent)) = comps.split_last() else {
         return match e.kind {
@@ -212,7 +216,13 @@ fn plan(e: &Entry) -> Result<Action<'_>, String> {
             dropped_setid,
         }),
         Kind::Symlink => {
-            symlink_target_ok(&e.link, comps.len() - 1)?;
+            if any_symlink {
+                if e.link.is_empty() || e.link.len() >= PATH_MAX {
+                    return Err(format!("a symlink target of {} bytes", e.link.len()));
+                }
+            } else {
+                symlink_target_ok(&e.link, comps.len() - 1)?;
+            }
             Ok(Action::Symlink {
                 comps,
                 target: &e.link,
@@ -234,7 +244,7 @@ fn plan(e: &Entry) -> Result<Action<'_>, String> {
 /// An entry's own checks, as the first pass makes them (before any filesystem is looked at):
 /// `Err` says why it is refused.
 pub fn check_entry(e: &Entry) -> Result<(), String> {
-    plan(e).map(|_| ())
+    plan(e, false).map(|_| ())
 }
 
 fn shown(path: &[u8]) -> String {
@@ -261,7 +271,7 @@ pub fn apply(
         let mut r = Reader::new(io::BufReader::new(&mut file));
         while let Some(e) = r.next_entry().map_err(bad)? {
             io::copy(&mut r.data(&e), &mut io::sink()).map_err(|e| bad(e.into()))?;
-            if let Err(why) = plan(&e) {
+            if let Err(why) = plan(&e, opts.any_symlink) {
                 report.refused += 1;
                 say(format!("{}: refused: {why}", shown(&e.path)));
             }
@@ -288,7 +298,7 @@ pub fn apply(
         let Some(e) = r.next_entry().map_err(|s| late(s, report.applied))? else {
             break;
         };
-        let result = match plan(&e) {
+        let result = match plan(&e, opts.any_symlink) {
             Ok(action) => a.run(action, &e, &mut r.data(&e), say),
             Err(_) => {
                 // Said in the first pass.
@@ -850,6 +860,7 @@ mod tests {
     const SKIP: Options = Options {
         check_only: false,
         skip_refused: true,
+        any_symlink: false,
     };
 
     #[test]
@@ -909,6 +920,43 @@ mod tests {
     }
 
     #[test]
+    fn an_image_layer_keeps_any_symlink_and_never_follows_one() {
+        let bed = Bed::new();
+        let target = format!("{}/sentinel", bed.outside.display());
+        let mut w = Writer::default();
+        w.entry(b'2', b"usr/bin/awk", b"/etc/alternatives/awk", 0o777, b"");
+        w.entry(b'2', b"up", b"../../..", 0o777, b"");
+        w.entry(b'2', b"out", target.as_bytes(), 0o777, b"");
+        // Written through none of them: each replaced, or refused as a symlinked directory.
+        w.entry(b'0', b"out", b"", 0o644, b"pwned");
+        w.entry(b'0', b"up/x", b"", 0o644, b"pwned");
+        let refused = Bed::new();
+        let (r, _) = refused.apply(w.clone(), Options::default());
+        assert!(matches!(r, Err(ApplyError::Refused(3))), "{r:?}");
+        let opts = Options {
+            any_symlink: true,
+            ..SKIP
+        };
+        let (r, lines) = bed.apply(w, opts);
+        assert_eq!(r.unwrap().refused, 1, "{lines:?}");
+        assert!(
+            lines[0].starts_with("up/x: refused: up is a symlink"),
+            "{lines:?}"
+        );
+        assert_eq!(
+            Bed::tree(&bed.dir),
+            [
+                "out: 644 pwned",
+                "up: -> ../../..",
+                "usr: dir 755",
+                "usr/bin: dir 755",
+                "usr/bin/awk: -> /etc/alternatives/awk",
+            ]
+        );
+        bed.outside_untouched();
+    }
+
+    #[test]
     fn dot_dot_is_refused_and_by_default_nothing_is_applied() {
         let bed = Bed::new();
         let mut w = Writer::default();
@@ -931,6 +979,7 @@ mod tests {
         let opts = Options {
             check_only: true,
             skip_refused: false,
+            any_symlink: false,
         };
         let r = apply(&bed.archive, &bed.dir, opts, &mut |l| lines.push(l)).unwrap();
         assert_eq!((r.refused, lines.len()), (2, 2));

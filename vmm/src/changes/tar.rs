@@ -565,7 +565,7 @@ fn header_block(
 }
 
 /// Builds archives in memory, for tests and fuzzing.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Writer {
     pub out: Vec<u8>,
 }

@@ -891,7 +891,7 @@ fn write_atomically(path: &Path, data: &[u8]) -> Result<(), OciError> {
 }
 
 /// Now, as RFC 3339 in UTC (what Go's time.Time parses).
-fn rfc3339_now() -> String {
+pub(crate) fn rfc3339_now() -> String {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();

@@ -293,7 +293,9 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         timeout: None,
         env: Vec::new(),
         workdir: Some(cwd.clone()),
-        user: format!("{uid}:{gid}"),
+        user: Some(format!("{uid}:{gid}")),
+        image: None,
+        image_command: None,
         console: false,
         huge_pages: false,
         no_huge_pages: false,
@@ -323,6 +325,7 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         workdir: cwd,
         env: env.clone(),
         egress_gateway: None,
+        image: None,
     };
     let mut cfg = vm
         .into_config(Vec::new(), false, Some(PathBuf::from("/")))

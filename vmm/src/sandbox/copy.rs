@@ -307,6 +307,7 @@ fn unpack(
     let opts = Options {
         check_only: false,
         skip_refused: false,
+        any_symlink: false,
     };
     match rename_to {
         None => apply(tar, into, opts, &mut say).map(|_| ()).map_err(|e| {

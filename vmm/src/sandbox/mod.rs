@@ -156,6 +156,9 @@ pub struct Config {
     /// `--egress-allow`: the gateway its supervisor runs for it (instead of `egress`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_gateway: Option<crate::config::GatewaySpec>,
+    /// `--image`: the image's whole name (its root is the sandbox's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
 }
 
 /// Where this user's sandboxes live.

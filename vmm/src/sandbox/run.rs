@@ -29,7 +29,7 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
         command,
         tty,
     } = args;
-    let checked = match super::supervisor::check(
+    let mut checked = match super::supervisor::check(
         CreateArgs {
             vm,
             name: None,
@@ -37,7 +37,7 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
             idle_timeout: None,
             from: None,
         },
-        command.clone(),
+        Some(command),
     ) {
         Ok(c) => c,
         Err(SandboxError::Config(e)) => {
@@ -46,6 +46,7 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
         }
         Err(e) => return Err(e),
     };
+    let command = std::mem::take(&mut checked.command);
     // Written from the sandbox's overlay before the sandbox goes.
     let changes = checked.cfg.overlay.as_ref().and_then(|o| o.changes.clone());
     sweep_dead_runs();

@@ -68,7 +68,7 @@ fn create_with(args: CreateArgs, tied: bool) -> Result<String, SandboxError> {
             "--changes (a sandbox's changes come from amvm diff ID and amvm commit ID DIR)",
         ));
     }
-    let c = check(args, Vec::new()).map_err(|e| match e {
+    let c = check(args, None).map_err(|e| match e {
         SandboxError::Config(e) => SandboxError::Start(format!("{:#}", anyhow::Error::from(e))),
         e => e,
     })?;
@@ -117,6 +117,7 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
         || !vm.egress_allow.is_empty()
         || vm.system != d.system
         || vm.rootfs.is_some()
+        || vm.image.is_some()
         || vm.kernel.is_some()
         || vm.mem != d.mem
         || vm.cpus != d.cpus
@@ -145,7 +146,10 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
     };
     flag("--mem", was.mem_mib.to_string().into());
     flag("--cpus", was.cpus.to_string().into());
-    flag("--system", was.system.clone().into());
+    match &was.image {
+        Some(image) => flag("--image", image.clone().into()),
+        None => flag("--system", was.system.clone().into()),
+    }
     flag("--user", was.user.clone().into());
     flag("--workdir", was.workdir.clone().into());
     if let Some(k) = &was.kernel {
@@ -203,7 +207,7 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
             from: None,
             ..rebuilt
         },
-        Vec::new(),
+        None,
     )
     .map_err(|e| match e {
         SandboxError::Config(e) => SandboxError::Snapshot(format!(
@@ -224,6 +228,8 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
 /// unset) and what `state.json` will say of the sandbox.
 pub(crate) struct Checked {
     pub cfg: RunConfig,
+    /// A run's command, with an `--image`'s Entrypoint and Cmd applied.
+    pub command: Vec<std::ffi::OsString>,
     pub config: Config,
     pub name: Option<String>,
     pub labels: std::collections::BTreeMap<String, String>,
@@ -233,9 +239,14 @@ pub(crate) struct Checked {
 /// `command`: a run's, checked with them (its size with the environment's), not kept: it is
 /// the run's exec. `--changes` (a run's) is checked into `cfg.overlay`.
 pub(crate) fn check(
-    args: CreateArgs,
-    command: Vec<std::ffi::OsString>,
+    mut args: CreateArgs,
+    run: Option<Vec<std::ffi::OsString>>,
 ) -> Result<Checked, SandboxError> {
+    args.vm = args.vm.resolve_image()?;
+    let command = match run {
+        Some(command) => args.vm.run_argv(command, true)?,
+        None => Vec::new(),
+    };
     let mut labels = std::collections::BTreeMap::new();
     for l in &args.labels {
         match l.split_once('=') {
@@ -262,16 +273,21 @@ pub(crate) fn check(
         overlay_size: None,
         idle_timeout_seconds: args.idle_timeout,
         kernel: None,
-        user: args.vm.user.clone(),
+        user: args
+            .vm
+            .user
+            .clone()
+            .unwrap_or_else(|| crate::cli::DEFAULT_USER.into()),
         workdir: String::new(),
         env: args.vm.env.clone(),
         egress_gateway: None,
+        image: args.vm.image.clone(),
     };
     // Everything checkable is checked before anything is made; the session path is set once
     // the directory exists.
     let mut cfg = args
         .vm
-        .into_config(command, false, Some(PathBuf::from("/")))?;
+        .into_config_resolved(command.clone(), false, Some(PathBuf::from("/")))?;
     cfg.spec.argv.clear();
     Ok(Checked {
         config: Config {
@@ -279,6 +295,7 @@ pub(crate) fn check(
             ..config
         },
         cfg,
+        command,
         name: args.name,
         labels,
     })
