@@ -436,7 +436,15 @@ fn import_takes_what_podman_saves_shares_layers_and_keeps_nothing_of_a_tampered_
         "junk.tar",
     );
     one_line_125(
-        &i.amvm(&["run", "--image", "localhost/nope:1", "--", "true"]),
+        &i.amvm(&[
+            "run",
+            "--pull",
+            "never",
+            "--image",
+            "localhost/nope:1",
+            "--",
+            "true",
+        ]),
         "--image localhost/nope:1: no image localhost/nope:1 in the store",
     );
     // rm: a name goes; the layers another name needs stay; the last name frees everything.
@@ -516,5 +524,262 @@ fn run_and_create_with_image_honour_its_entrypoint_cmd_env_workdir_and_user() {
         ok(&inspect, "inspect").contains(&format!("\"image\": \"{APP}\"")),
         "{}",
         inspect.stdout_str()
+    );
+}
+
+/// A `docker-registry` (Debian's, the reference registry) of the test's own on a free loopback
+/// port: plain HTTP, or TLS with a certificate from a CA the test makes and htpasswd auth.
+struct Registry {
+    child: std::process::Child,
+    addr: String,
+    data: PathBuf,
+}
+
+impl Registry {
+    fn start(dir: &Path, tls: bool) -> Registry {
+        assert!(
+            Path::new("/usr/bin/docker-registry").exists(),
+            "docker-registry is not installed: images/setup installs it (Debian's docker-registry)"
+        );
+        std::fs::create_dir_all(dir).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let data = dir.join("data");
+        let mut config = format!(
+            "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n\
+             http:\n  addr: {addr}\n",
+            data.display()
+        );
+        if tls {
+            let d = |f: &str| dir.join(f).display().to_string();
+            let script = format!(
+                "set -e; cd {dir}; \
+                 openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=amvm-test-ca; \
+                 openssl req -newkey rsa:2048 -nodes -keyout key.pem -out srv.csr -subj /CN=127.0.0.1; \
+                 printf 'subjectAltName=IP:127.0.0.1\\n' > ext; \
+                 openssl x509 -req -in srv.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out cert.pem -days 2 -extfile ext; \
+                 htpasswd -Bbn amvm s3cret > htpasswd",
+                dir = dir.display()
+            );
+            let out = Command::new("sh").arg("-c").arg(&script).output().unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            config.push_str(&format!(
+                "  tls:\n    certificate: {}\n    key: {}\nauth:\n  htpasswd:\n    realm: amvm-test\n    path: {}\n",
+                d("cert.pem"),
+                d("key.pem"),
+                d("htpasswd")
+            ));
+        }
+        std::fs::write(dir.join("config.yml"), config).unwrap();
+        let child = Command::new("/usr/bin/docker-registry")
+            .arg("serve")
+            .arg(dir.join("config.yml"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("log")).unwrap())
+            .spawn()
+            .unwrap();
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while std::net::TcpStream::connect(&addr).is_err() {
+            assert!(
+                std::time::Instant::now() < until,
+                "docker-registry did not listen"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        Registry { child, addr, data }
+    }
+}
+
+impl Drop for Registry {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn pull_from_the_reference_registry_plain_and_behind_tls_with_htpasswd_checking_every_blob() {
+    require_kvm();
+    let i = Images::new("pull", true);
+    let plain = Registry::start(&i.base.join("registry"), false);
+    let secure = Registry::start(&i.base.join("registry-tls"), true);
+    let at = |r: &Registry, path: &str| format!("docker://{}/{path}", r.addr);
+    let push = |args: &[&str]| {
+        // After the subcommand (`push`, or `manifest push`).
+        let at = if args[0] == "manifest" { 2 } else { 1 };
+        let mut a: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        a.insert(at, "--tls-verify=false".into());
+        a.insert(at, "-q".into());
+        let out = i.podman(&a);
+        assert_eq!(out.code, 0, "podman {a:?}: {}", out.stderr);
+    };
+    push(&["push", APP, &at(&plain, "amvm/app:1")]);
+    push(&[
+        "push",
+        "--compression-format",
+        "zstd",
+        APP,
+        &at(&plain, "amvm/app:zstd"),
+    ]);
+    push(&[
+        "manifest",
+        "push",
+        "--all",
+        "localhost/amvm-multi:1",
+        &at(&plain, "amvm/multi:1"),
+    ]);
+    push(&[
+        "push",
+        "--creds",
+        "amvm:s3cret",
+        APP,
+        &at(&secure, "amvm/app:1"),
+    ]);
+    // Plain HTTP on loopback (HTTPS first, as Docker does), gzip and zstd layers, an index.
+    let name = |r: &Registry, p: &str| format!("{}/{p}", r.addr);
+    let out = i.amvm(&["image", "pull", &name(&plain, "amvm/app:1")]);
+    assert_eq!(
+        ok(&out, "pull"),
+        format!("{}\n", name(&plain, "amvm/app:1"))
+    );
+    assert!(out.stderr.contains("2 layers"), "{}", out.stderr);
+    ok(
+        &i.amvm(&["image", "pull", &name(&plain, "amvm/app:zstd")]),
+        "pull zstd",
+    );
+    ok(
+        &i.amvm(&["image", "pull", &name(&plain, "amvm/multi:1")]),
+        "pull index",
+    );
+    let list = ok(&i.amvm(&["image", "list"]), "list");
+    let ids: std::collections::BTreeSet<&str> = list
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().nth(1).unwrap())
+        .collect();
+    assert_eq!(ids.len(), 1, "one image under three names: {list}");
+    // Two pulls of one image into one store at once: both succeed, one copy of everything.
+    let both: Vec<_> = (0..2)
+        .map(|_| {
+            Command::new(amvm_bin())
+                .args(["image", "pull", &name(&plain, "amvm/app:1")])
+                .env("AMVM_CACHE", i.base.join("together"))
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for c in both {
+        ok(
+            &Outcome::from(c.wait_with_output().unwrap()),
+            "a pull beside another",
+        );
+    }
+    let together = i.store_entries("together");
+    let count = |p: &str| together.iter().filter(|e| e.starts_with(p)).count();
+    assert_eq!(
+        (
+            count("refs/"),
+            count("tmp/"),
+            count("snapshots/"),
+            count("blobs/")
+        ),
+        (1, 0, 4, 4),
+        "{together:?}"
+    );
+    // TLS and htpasswd: the CA and the credentials are needed, each refusal one line.
+    let tls_app = name(&secure, "amvm/app:1");
+    let ca = i.base.join("registry-tls/ca.pem").display().to_string();
+    one_line_125(
+        &i.amvm_in("tls", &["image", "pull", &tls_app]),
+        "UnknownIssuer",
+    );
+    one_line_125(
+        &i.amvm_in("tls", &["image", "pull", "--ca", &ca, &tls_app]),
+        "credentials come from",
+    );
+    let auth = i.base.join("auth.json");
+    std::fs::write(
+        &auth,
+        // base64 of amvm:s3cret
+        r#"{"auths": {"ADDR": {"auth": "YW12bTpzM2NyZXQ="}}}"#.replace("ADDR", &secure.addr),
+    )
+    .unwrap();
+    let out = Command::new(amvm_bin())
+        .args(["image", "pull", "--ca", &ca, &tls_app])
+        .env("AMVM_CACHE", i.base.join("tls"))
+        .env("REGISTRY_AUTH_FILE", &auth)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(
+        ok(&Outcome::from(out), "pull with credentials"),
+        format!("{tls_app}\n")
+    );
+    // run --image pulls what is missing (saying so), or refuses with --pull never.
+    let zstd = name(&plain, "amvm/app:zstd");
+    one_line_125(
+        &i.amvm_in(
+            "run",
+            &["run", "--pull", "never", "--image", &zstd, "--", "true"],
+        ),
+        "no image",
+    );
+    let out = i.amvm_in(
+        "run",
+        &[
+            "run",
+            "--timeout",
+            "120",
+            "--image",
+            &zstd,
+            "--",
+            "cat /etc/issue",
+        ],
+    );
+    assert_eq!(ok(&out, "run --image pulling"), "app\n");
+    assert!(
+        out.stderr.contains("is not in the store: pulling it"),
+        "{}",
+        out.stderr
+    );
+    // Blobs the registry serves tampered (every layer): refused, nothing of the pull kept.
+    let mut blobs = Vec::new();
+    let mut stack = vec![plain.data.join("docker/registry/v2/blobs/sha256")];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let e = e.unwrap();
+            if e.file_type().unwrap().is_dir() {
+                stack.push(e.path());
+            } else if e.file_name() == "data" {
+                blobs.push((e.metadata().unwrap().len(), e.path()));
+            }
+        }
+    }
+    let layers: Vec<_> = blobs.into_iter().filter(|(len, _)| *len > 4096).collect();
+    assert!(layers.len() >= 2, "the registry's layers");
+    for (len, path) in layers {
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[len as usize / 2] ^= 0x55;
+        std::fs::write(&path, bytes).unwrap();
+    }
+    let out = i.amvm_in("fresh", &["image", "pull", &name(&plain, "amvm/app:1")]);
+    assert_eq!(out.code, 125, "{}", out.stderr);
+    assert!(out.stderr.contains("digest"), "{}", out.stderr);
+    assert_eq!(
+        i.store_entries("fresh"),
+        Vec::<String>::new(),
+        "a refused pull left something"
     );
 }

@@ -250,7 +250,21 @@ pub enum ImageCommand {
         #[arg(value_name = "FILE|DIR")]
         path: PathBuf,
     },
-    /// Remove from the store what no image needs (and what interrupted imports left).
+    /// Pull image REF from its registry (the OCI distribution API) into the store: an index
+    /// resolved to linux/amd64, every blob checked against its digest. Credentials from
+    /// `$REGISTRY_AUTH_FILE`, podman's auth.json or ~/.docker/config.json. Prints its name.
+    Pull {
+        /// Plain HTTP instead of HTTPS (a registry on loopback falls back to it by itself).
+        #[arg(long)]
+        plain_http: bool,
+        /// PEM certificates to trust besides the system's (a private registry's CA).
+        #[arg(long, value_name = "FILE")]
+        ca: Option<PathBuf>,
+        #[arg(value_name = "REF")]
+        reference: String,
+    },
+    /// Remove from the store what no image needs (and what interrupted imports and pulls
+    /// left).
     Prune,
 }
 
@@ -395,6 +409,10 @@ pub struct VmArgs {
     /// config's Entrypoint, Cmd, Env, WorkingDir and User as Docker uses them (flags win).
     #[arg(long, value_name = "REF", conflicts_with_all = ["system", "rootfs"])]
     pub image: Option<String>,
+    /// With --image: pull it first when it is not in the store (`missing`, the default), every
+    /// time (`always`), or never (an image not there is an error).
+    #[arg(long, value_name = "WHEN", value_enum, default_value_t = Pull::Missing, requires = "image")]
+    pub pull: Pull,
     /// The image's Entrypoint and Cmd, once `--image` is resolved.
     #[arg(skip)]
     pub image_command: Option<(Vec<String>, Vec<String>)>,
@@ -447,6 +465,14 @@ pub struct VmArgs {
     pub no_seccomp: bool,
 }
 
+/// `--pull`: when `--image` pulls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Pull {
+    Missing,
+    Always,
+    Never,
+}
+
 /// The workload's user when neither `--user` nor an image says: unprivileged.
 pub const DEFAULT_USER: &str = "1000:1000";
 
@@ -466,6 +492,18 @@ impl VmArgs {
         let store = crate::store::Store::default_dir()
             .and_then(|d| crate::store::Store::open(&d))
             .map_err(|e| bad(e.to_string()))?;
+        let missing = matches!(
+            store.find(&image),
+            Err(crate::store::StoreError::NotFound(_))
+        );
+        if self.pull == Pull::Always || (missing && self.pull == Pull::Missing) {
+            if missing {
+                eprintln!("amvm: {image} is not in the store: pulling it");
+            }
+            let mut say = |line: String| tracing::info!("{line}");
+            crate::store::pull::pull(&store, &image, &Default::default(), &mut say)
+                .map_err(|e| bad(e.to_string()))?;
+        }
         let found = store.for_run(&image).map_err(|e| bad(e.to_string()))?;
         let d = found.defaults;
         let (uid, gid, home) = match (&self.user, &d.user) {

@@ -285,6 +285,24 @@ fn image(cmd: ImageCommand) -> ExitCode {
                     );
                 }
             }
+            ImageCommand::Pull {
+                plain_http,
+                ca,
+                reference,
+            } => {
+                let s = store()?;
+                let mut say = |line: String| eprintln!("amvm: {line}");
+                let opts = store::pull::PullOptions { plain_http, ca };
+                let r = store::pull::pull(&s, &reference, &opts, &mut say)?;
+                println!("{}", r.name);
+                eprintln!(
+                    "amvm: pulled {} ({}, {} layers, {})",
+                    r.name,
+                    r.id.short(),
+                    r.layers.len(),
+                    image::human_size(r.size)
+                );
+            }
             ImageCommand::Prune => {
                 let freed = store()?.prune()?;
                 eprintln!(

@@ -295,6 +295,7 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         workdir: Some(cwd.clone()),
         user: Some(format!("{uid}:{gid}")),
         image: None,
+        pull: crate::cli::Pull::Missing,
         image_command: None,
         console: false,
         huge_pages: false,

@@ -30,6 +30,7 @@
 //! read-only either way.
 
 pub mod import;
+pub mod pull;
 mod unpack;
 
 use serde::{Deserialize, Serialize};
@@ -67,6 +68,8 @@ pub enum StoreError {
     SizeMismatch { what: String, want: u64, got: u64 },
     #[error("image {name} is for {platform}; amvm runs linux/amd64 images")]
     Platform { name: String, platform: String },
+    #[error("cannot reach the registry {registry}: {why}")]
+    Unreachable { registry: String, why: String },
     #[error("layer {digest}: {why}")]
     Layer { digest: String, why: String },
 }
@@ -153,6 +156,35 @@ pub fn normalise(name: &str) -> Result<String, StoreError> {
     Ok(r.whole())
 }
 
+/// What engines would normalise `name` to, by their rules alone (Docker Hub's `library/` and
+/// `docker.io/`, `:latest` without a tag or digest), unchecked: a stored name equal to one of
+/// these was checked when it was stored.
+fn likely_names(name: &str) -> Vec<String> {
+    let (path, suffix) = match name.find('@') {
+        Some(at) => (&name[..at], name[at..].to_string()),
+        None => {
+            let last = name.rsplit('/').next().unwrap_or(name);
+            if last.contains(':') {
+                let cut = name.len() - last.len() + last.find(':').unwrap_or(0);
+                (&name[..cut], name[cut..].to_string())
+            } else {
+                (name, ":latest".to_string())
+            }
+        }
+    };
+    let first = path.split('/').next().unwrap_or(path);
+    let has_registry =
+        path.contains('/') && (first.contains('.') || first.contains(':') || first == "localhost");
+    let full = if has_registry {
+        path.to_string()
+    } else if path.contains('/') {
+        format!("docker.io/{path}")
+    } else {
+        format!("docker.io/library/{path}")
+    };
+    vec![format!("{full}{suffix}")]
+}
+
 /// One stored image name: `refs/HEX.json`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct Record {
@@ -217,17 +249,24 @@ impl Store {
             .join("oci"))
     }
 
+    /// The store at `dir`. Nothing is made until something is added ([`Store::lock`] makes its
+    /// directories): reading a store that is not there (or on a read-only file system) finds
+    /// no images.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
-        let mut b = std::fs::DirBuilder::new();
-        b.recursive(true).mode(0o700);
-        for sub in ["blobs/sha256", "snapshots", "refs", "tmp"] {
-            let p = dir.join(sub);
-            b.create(&p).map_err(io_err(p.display()))?;
-        }
         Ok(Store {
             dir: dir.to_path_buf(),
             added: std::sync::Mutex::new(Vec::new()),
         })
+    }
+
+    fn prepare(&self) -> Result<(), StoreError> {
+        let mut b = std::fs::DirBuilder::new();
+        b.recursive(true).mode(0o700);
+        for sub in ["blobs/sha256", "snapshots", "refs", "tmp"] {
+            let p = self.dir.join(sub);
+            b.create(&p).map_err(io_err(p.display()))?;
+        }
+        Ok(())
     }
 
     pub(crate) fn note_added(&self, p: PathBuf) {
@@ -248,8 +287,10 @@ impl Store {
         &self.dir
     }
 
-    /// The store's lock: shared to add, exclusive to remove.
+    /// The store's lock: shared to add, exclusive to remove. Every change takes it first, so
+    /// this is where the store's directories are made.
     pub fn lock(&self, exclusive: bool) -> Result<File, StoreError> {
+        self.prepare()?;
         let p = self.dir.join("lock");
         let f = std::fs::OpenOptions::new()
             .create(true)
@@ -301,64 +342,18 @@ impl Store {
         src: &mut dyn Read,
         want: Option<(&Digest, u64)>,
     ) -> Result<(Digest, u64), StoreError> {
-        let tmp = self.tmp("blob");
-        let result = (|| {
-            let mut f = std::fs::OpenOptions::new()
-                .create_new(true)
-                .write(true)
-                .mode(0o600)
-                .open(&tmp)
-                .map_err(io_err(tmp.display()))?;
-            let mut h = Sha256::new();
-            let mut buf = vec![0u8; 256 * 1024];
-            let mut n = 0u64;
-            loop {
-                let got = match src.read(&mut buf) {
-                    Ok(0) => break,
-                    Ok(got) => got,
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    Err(e) => return Err(io_err(what)(e)),
-                };
-                n += got as u64;
-                if let Some((_, size)) = want {
-                    if n > size {
-                        return Err(StoreError::SizeMismatch {
-                            what: what.to_string(),
-                            want: size,
-                            got: n,
-                        });
-                    }
-                }
-                h.update(&buf[..got]);
-                f.write_all(&buf[..got]).map_err(io_err(tmp.display()))?;
-            }
-            let d = Digest::from_hasher(h);
-            if let Some((want_d, size)) = want {
-                if n != size {
-                    return Err(StoreError::SizeMismatch {
-                        what: what.to_string(),
-                        want: size,
-                        got: n,
-                    });
-                }
-                if &d != want_d {
-                    return Err(StoreError::DigestMismatch {
-                        what: what.to_string(),
-                        want: want_d.to_string(),
-                        got: d.to_string(),
-                    });
-                }
-            }
-            f.sync_all().map_err(io_err(tmp.display()))?;
-            let dest = self.blob(&d);
-            if !dest.exists() {
-                std::fs::rename(&tmp, &dest).map_err(io_err(dest.display()))?;
-                self.note_added(dest);
-            }
-            Ok((d, n))
-        })();
-        let _ = std::fs::remove_file(&tmp);
-        result
+        let mut w = BlobWriter::new(self, what, want)?;
+        let mut buf = vec![0u8; 256 * 1024];
+        loop {
+            let got = match src.read(&mut buf) {
+                Ok(0) => break,
+                Ok(got) => got,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(io_err(what)(e)),
+            };
+            w.write(&buf[..got])?;
+        }
+        w.finish()
     }
 
     /// A stored blob's bytes (a manifest's or a config's: at most `limit`).
@@ -438,7 +433,12 @@ impl Store {
     pub fn list(&self) -> Result<Vec<Record>, StoreError> {
         let dir = self.dir.join("refs");
         let mut out = Vec::new();
-        for e in std::fs::read_dir(&dir).map_err(io_err(dir.display()))? {
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(out),
+            Err(e) => return Err(io_err(dir.display())(e)),
+        };
+        for e in entries {
             let p = e.map_err(io_err(dir.display()))?.path();
             if p.extension().is_none_or(|x| x != "json") {
                 continue;
@@ -465,6 +465,14 @@ impl Store {
                 0 => {}
                 1 => return Ok(hits[0].clone()),
                 n => return Err(StoreError::Ambiguous(what.to_string(), n)),
+            }
+        }
+        // The names `what` may normalise to, tried first: the reference grammar's regex takes
+        // 40 ms to build here (most of a second in an emulated host), which a run of an
+        // image that is there should not pay.
+        for name in likely_names(what) {
+            if let Some(r) = all.iter().find(|r| r.name == name) {
+                return Ok(r.clone());
             }
         }
         let name = normalise(what)?;
@@ -571,6 +579,96 @@ impl Store {
             }
         }
         Ok(freed)
+    }
+}
+
+/// One blob being written: to a file in `tmp/`, hashed and counted as it goes, renamed to its
+/// digest's name by [`BlobWriter::finish`] only when digest and size are right. Dropped
+/// unfinished (an error, an interrupted pull), its file is removed.
+pub(crate) struct BlobWriter<'a> {
+    store: &'a Store,
+    what: String,
+    want: Option<(Digest, u64)>,
+    tmp: PathBuf,
+    file: File,
+    hash: Sha256,
+    n: u64,
+}
+
+impl<'a> BlobWriter<'a> {
+    pub(crate) fn new(
+        store: &'a Store,
+        what: &str,
+        want: Option<(&Digest, u64)>,
+    ) -> Result<Self, StoreError> {
+        let tmp = store.tmp("blob");
+        let file = std::fs::OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(io_err(tmp.display()))?;
+        Ok(BlobWriter {
+            store,
+            what: what.to_string(),
+            want: want.map(|(d, n)| (d.clone(), n)),
+            tmp,
+            file,
+            hash: Sha256::new(),
+            n: 0,
+        })
+    }
+
+    pub(crate) fn written(&self) -> u64 {
+        self.n
+    }
+
+    pub(crate) fn write(&mut self, buf: &[u8]) -> Result<(), StoreError> {
+        self.n += buf.len() as u64;
+        if let Some((_, size)) = &self.want {
+            if self.n > *size {
+                return Err(StoreError::SizeMismatch {
+                    what: self.what.clone(),
+                    want: *size,
+                    got: self.n,
+                });
+            }
+        }
+        self.hash.update(buf);
+        self.file.write_all(buf).map_err(io_err(self.tmp.display()))
+    }
+
+    pub(crate) fn finish(mut self) -> Result<(Digest, u64), StoreError> {
+        let d = Digest::from_hasher(std::mem::take(&mut self.hash));
+        if let Some((want_d, size)) = &self.want {
+            if self.n != *size {
+                return Err(StoreError::SizeMismatch {
+                    what: self.what.clone(),
+                    want: *size,
+                    got: self.n,
+                });
+            }
+            if &d != want_d {
+                return Err(StoreError::DigestMismatch {
+                    what: self.what.clone(),
+                    want: want_d.to_string(),
+                    got: d.to_string(),
+                });
+            }
+        }
+        self.file.sync_all().map_err(io_err(self.tmp.display()))?;
+        let dest = self.store.blob(&d);
+        if !dest.exists() {
+            std::fs::rename(&self.tmp, &dest).map_err(io_err(dest.display()))?;
+            self.store.note_added(dest);
+        }
+        Ok((d, self.n))
+    }
+}
+
+impl Drop for BlobWriter<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.tmp);
     }
 }
 
@@ -702,6 +800,17 @@ mod tests {
             normalise("127.0.0.1:5000/a/b:v1").unwrap(),
             "127.0.0.1:5000/a/b:v1"
         );
+        for n in [
+            "python:3.12-slim",
+            "python",
+            "user/app",
+            "localhost/amvm-busybox",
+            "127.0.0.1:5000/a/b:v1",
+            "127.0.0.1:5000/a/b",
+            "quay.io/x/y@sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
+        ] {
+            assert_eq!(likely_names(n), vec![normalise(n).unwrap()], "{n}");
+        }
         assert!(normalise("UPPER").is_err());
         assert!(normalise("").is_err());
     }
