@@ -333,6 +333,7 @@ fn the_three_clis_answer_through_the_gateway_with_their_keys_only_on_the_host() 
              \"privacy\":{\"usageStatisticsEnabled\":false},\
              \"general\":{\"enableAutoUpdate\":false,\"enableAutoUpdateNotification\":false}}' \
              >$HOME/.gemini/settings.json; \
+             mkdir -p $HOME/project && cd $HOME/project; \
              GEMINI_API_KEY=placeholder GOOGLE_GEMINI_BASE_URL=http://$AMVM_EGRESS_ADDR/gemini \
              GEMINI_CLI_TRUST_WORKSPACE=true gemini -m gemini-2.5-flash -p hi </dev/null 2>&1; \
              echo \"gemini exit $?\"; \
