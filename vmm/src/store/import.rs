@@ -187,27 +187,7 @@ fn resolve_index(store: &Store, dir: &Path, d: &Descriptor) -> Result<Descriptor
         let raw = store.read_blob(&digest, MAX_CONFIG)?;
         let index: ImageIndex = serde_json::from_slice(&raw)
             .map_err(|e| bad(format!("index {digest}"), e.to_string()))?;
-        let pick = index.manifests().iter().find(|m| {
-            m.platform().as_ref().is_some_and(|p| {
-                p.os().to_string() == "linux" && p.architecture().to_string() == "amd64"
-            })
-        });
-        let Some(pick) = pick else {
-            let have: Vec<String> = index
-                .manifests()
-                .iter()
-                .filter_map(|m| m.platform().as_ref())
-                .map(|p| format!("{}/{}", p.os(), p.architecture()))
-                .collect();
-            return Err(StoreError::Platform {
-                name: format!("index {digest}"),
-                platform: if have.is_empty() {
-                    "no platform".into()
-                } else {
-                    have.join(", ")
-                },
-            });
-        };
+        let pick = super::linux_amd64(&index, &format!("index {digest}"))?;
         if !is_index(pick.media_type()) {
             return Ok(pick.clone());
         }

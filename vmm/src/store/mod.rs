@@ -672,6 +672,41 @@ impl Drop for BlobWriter<'_> {
     }
 }
 
+/// An index's linux/amd64 entry; none is [`StoreError::Platform`] naming `name` and the
+/// platforms the index has.
+pub(crate) fn linux_amd64<'i>(
+    index: &'i oci_spec::image::ImageIndex,
+    name: &str,
+) -> Result<&'i oci_spec::image::Descriptor, StoreError> {
+    let platforms = || {
+        index
+            .manifests()
+            .iter()
+            .filter_map(|m| m.platform().as_ref())
+    };
+    let is_it = |p: &oci_spec::image::Platform| {
+        p.os().to_string() == "linux" && p.architecture().to_string() == "amd64"
+    };
+    if let Some(m) = index
+        .manifests()
+        .iter()
+        .find(|m| m.platform().as_ref().is_some_and(is_it))
+    {
+        return Ok(m);
+    }
+    let have: Vec<String> = platforms()
+        .map(|p| format!("{}/{}", p.os(), p.architecture()))
+        .collect();
+    Err(StoreError::Platform {
+        name: name.to_string(),
+        platform: if have.is_empty() {
+            "no platform".into()
+        } else {
+            have.join(", ")
+        },
+    })
+}
+
 /// The largest manifest, index or config read (registries cap manifests at 4 MiB).
 pub const MAX_CONFIG: u64 = 4 << 20;
 

@@ -157,23 +157,7 @@ async fn fetch(
     if is_index(&raw) {
         let index: ImageIndex = serde_json::from_slice(&raw)
             .map_err(|e| bad(format!("the index of {name}"), e.to_string()))?;
-        let pick = index.manifests().iter().find(|m| {
-            m.platform().as_ref().is_some_and(|p| {
-                p.os().to_string() == "linux" && p.architecture().to_string() == "amd64"
-            })
-        });
-        let Some(pick) = pick else {
-            let have: Vec<String> = index
-                .manifests()
-                .iter()
-                .filter_map(|m| m.platform().as_ref())
-                .map(|p| format!("{}/{}", p.os(), p.architecture()))
-                .collect();
-            return Err(StoreError::Platform {
-                name: name.to_string(),
-                platform: have.join(", "),
-            });
-        };
+        let pick = super::linux_amd64(&index, name)?;
         let want = Digest::parse(pick.digest().as_ref())
             .map_err(|why| bad(format!("the index of {name}"), why))?;
         let by_digest = reference.clone_with_digest(want.to_string());
