@@ -5,7 +5,7 @@
 //! guest kernel, not the host's. The engines are named by their Debian paths: another `docker`
 //! earlier on PATH (a newer client) is not what is tested.
 
-use amvm_tests::{amvm_bin, leftovers, require_kvm, run_vm, Outcome};
+use amvm_tests::{amvm_bin, busybox_root, leftovers, require_kvm, run_vm, Outcome};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -16,29 +16,6 @@ const IMAGE: &str = "localhost/amvm-busybox:latest";
 /// bed's /tmp is an overlayfs), and the runtime: a link named amvm-runc to the amvm under test.
 struct Podman {
     base: PathBuf,
-}
-
-/// A root file system: the host's static busybox with every applet linked, and a user database.
-fn busybox_root(root: &Path) {
-    std::fs::create_dir_all(root.join("bin")).unwrap();
-    std::fs::create_dir_all(root.join("etc")).unwrap();
-    for d in ["proc", "sys", "dev", "tmp", "root", "data"] {
-        std::fs::create_dir_all(root.join(d)).unwrap();
-    }
-    std::fs::copy("/bin/busybox", root.join("bin/busybox"))
-        .expect("the host's static busybox (images/setup installs busybox-static)");
-    let list = Command::new("/bin/busybox").arg("--list").output().unwrap();
-    for applet in String::from_utf8_lossy(&list.stdout).lines() {
-        if applet != "busybox" {
-            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
-        }
-    }
-    std::fs::write(
-        root.join("etc/passwd"),
-        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
-    )
-    .unwrap();
-    std::fs::write(root.join("etc/group"), "root:x:0:\nnogroup:x:65534:\n").unwrap();
 }
 
 /// [`busybox_root`] at `base/rootfs`, and packed as `base/rootfs.tar` for an engine's import.

@@ -174,6 +174,34 @@ static NEXT_WS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new
 /// What a run may leave on the host, and the check that it left none of it.
 pub mod world;
 
+pub mod cri;
+
+/// A root file system: the host's static busybox with every applet linked, and a user database.
+pub fn busybox_root(root: &std::path::Path) {
+    std::fs::create_dir_all(root.join("bin")).unwrap();
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    for d in ["proc", "sys", "dev", "tmp", "root", "data"] {
+        std::fs::create_dir_all(root.join(d)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", root.join("bin/busybox"))
+        .expect("the host's static busybox (images/setup installs busybox-static)");
+    let list = std::process::Command::new("/bin/busybox")
+        .arg("--list")
+        .output()
+        .unwrap();
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        if applet != "busybox" {
+            std::os::unix::fs::symlink("busybox", root.join("bin").join(applet)).unwrap();
+        }
+    }
+    std::fs::write(
+        root.join("etc/passwd"),
+        "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n",
+    )
+    .unwrap();
+    std::fs::write(root.join("etc/group"), "root:x:0:\nnogroup:x:65534:\n").unwrap();
+}
+
 pub mod leftovers {
     use std::path::PathBuf;
     use std::time::{Duration, Instant};

@@ -37,6 +37,10 @@ pub enum OciError {
     BadId(String),
     #[error("container {0} is {1}")]
     State(String, &'static str),
+    /// runc's words for it ("container not running"): containerd's runc shim takes an error
+    /// holding them from `kill` as "the process has finished already", not as a failure.
+    #[error("container {0}: container not running")]
+    NotRunning(String),
     #[error("{0}: {1}")]
     Io(String, std::io::Error),
     #[error(transparent)]
@@ -353,7 +357,7 @@ fn run(cli: OciCli) -> Result<u8, OciError> {
             match rt.status(&dir, &c) {
                 "running" => {}
                 "paused" => return Err(OciError::State(id, "paused (resume it first)")),
-                _ => return Err(OciError::State(id, "not running")),
+                _ => return Err(OciError::NotRunning(id)),
             }
             let args = match process {
                 Some(p) => exec_args_from(&p, &c.sandbox)?,
@@ -684,7 +688,7 @@ fn kill(rt: &Runtime, id: &str, signal: Option<&str>, all: bool) -> Result<u8, O
     let sig = parse_signal(signal.unwrap_or("TERM"))?;
     let (dir, c) = rt.load(id)?;
     if rt.status(&dir, &c) == "stopped" {
-        return Err(OciError::State(id.into(), "not running"));
+        return Err(OciError::NotRunning(id.into()));
     }
     // SAFETY: kill(2) of the container's process, checked to be ours by its start time.
     if unsafe { libc::kill(c.pid as libc::pid_t, sig) } != 0 {
@@ -709,7 +713,7 @@ fn pause_or_resume(rt: &Runtime, id: &str, pause: bool) -> Result<u8, OciError> 
         ("running", true) | ("paused", false) => {}
         ("paused", true) => return Err(OciError::State(id.into(), "paused already")),
         ("running", false) => return Err(OciError::State(id.into(), "not paused")),
-        _ => return Err(OciError::State(id.into(), "not running")),
+        _ => return Err(OciError::NotRunning(id.into())),
     }
     let sb = crate::sandbox::client::Sandbox::open(&c.sandbox)?;
     if pause {

@@ -1,0 +1,208 @@
+//! Kubernetes through containerd's CRI (issue 41), with the real engine: Debian's containerd
+//! and its CRI plugin, started by the test on a socket of its own, driven by a CRI client on
+//! the published protobufs (tests/src/cri.rs) the way a kubelet drives it.
+//!
+//! Runtime handler `amvm` here is docs/engines.md's configuration: containerd's runc shim with
+//! amvm-runc as its runtime binary, so each container of a pod (its sandbox container too) is
+//! a microVM of its own.
+
+use amvm_tests::cri::{log_lines, pod_config, Containerd};
+use amvm_tests::{amvm_bin, leftovers, require_kvm, run_vm};
+use std::time::{Duration, Instant};
+
+/// `uname -r` of amvm's guest kernel.
+fn amvms_kernel() -> String {
+    let o = run_vm(&[], &["uname", "-r"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    o.stdout_str().trim().to_string()
+}
+
+/// Nothing of `base`'s pods is left: no process names it (VMMs, virtiofsd, shims, amvm-runc
+/// workers) and no amvm sandbox state mentions it.
+fn nothing_left_of(base: &std::path::Path) {
+    let needle = base.display().to_string();
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let procs: Vec<String> = leftovers::processes_with(&needle)
+            .into_iter()
+            .filter(|p| !p.contains("/usr/bin/containerd --config"))
+            .collect();
+        let sandboxes = leftovers::sandboxes_naming(&needle);
+        if procs.is_empty() && sandboxes.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < until,
+            "left behind: {procs:?} {sandboxes:?}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// A pod with runtime handler `amvm`: a container's stdout and stderr reach its CRI log and
+/// its exit status its ContainerStatus, it runs on amvm's kernel (not the host's), ExecSync
+/// into a running container returns output and status, a container whose command is not
+/// there ends 127 saying so in its log, and stopping and removing the pod leaves no VMM,
+/// virtiofsd, shim or sandbox behind.
+#[test]
+fn a_pod_runs_in_amvm_microvms_through_containerds_cri() {
+    require_kvm();
+    let kernel = amvms_kernel();
+    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let ctd = Containerd::start("pod", &amvm_bin());
+    ctd.import_busybox();
+    let mut cri = ctd.client();
+    let v = cri.version();
+    assert_eq!(v.runtime_name, "containerd", "{v:?}");
+
+    let logs = ctd.base.join("logs/pod");
+    let config = pod_config("pod", &logs, &[]);
+    let pod = cri
+        .run_pod(&config, "amvm")
+        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
+
+    let once = cri
+        .create(
+            &pod,
+            &config,
+            "once",
+            &[
+                "sh",
+                "-c",
+                "echo to stdout; echo to stderr >&2; uname -r; exit 3",
+            ],
+        )
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&once)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    let code = cri
+        .wait_exited(&once, Duration::from_secs(300))
+        .unwrap_or_else(|s| panic!("not exited: {s:?}\n{}", ctd.log()));
+    assert_eq!(code, 3, "{}", ctd.log());
+    let lines = log_lines(&logs.join("once.log"));
+    assert!(
+        lines.contains(&("stdout".into(), "to stdout".into())),
+        "{lines:?}"
+    );
+    assert!(
+        lines.contains(&("stderr".into(), "to stderr".into())),
+        "{lines:?}"
+    );
+    assert!(
+        lines.contains(&("stdout".into(), kernel.clone())),
+        "{lines:?}"
+    );
+    assert_ne!(kernel, host_kernel.trim());
+
+    let long = cri
+        .create(&pod, &config, "long", &["sleep", "600"])
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&long)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    let (code, out, err) = cri
+        .exec_sync(
+            &long,
+            &[
+                "sh",
+                "-c",
+                "echo in the container; uname -r; echo oops >&2; exit 4",
+            ],
+            300,
+        )
+        .unwrap_or_else(|e| panic!("ExecSync: {e}\n{}", ctd.log()));
+    assert_eq!(code, 4, "{out} {err}");
+    assert_eq!(out, format!("in the container\n{kernel}\n"));
+    assert_eq!(err, "oops\n");
+
+    // A command that is not there: the container fails, saying why.
+    let missing = cri
+        .create(&pod, &config, "missing", &["/no/such/command"])
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&missing)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    let code = cri
+        .wait_exited(&missing, Duration::from_secs(300))
+        .unwrap_or_else(|s| panic!("not exited: {s:?}\n{}", ctd.log()));
+    assert_eq!(code, 127, "{}", ctd.log());
+    let lines = log_lines(&logs.join("missing.log"));
+    assert!(
+        lines
+            .iter()
+            .any(|(stream, l)| stream == "stderr"
+                && l.ends_with("/no/such/command: command not found")),
+        "{lines:?}"
+    );
+
+    cri.stop_pod(&pod)
+        .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", ctd.log()));
+    let s = cri.status(&long);
+    assert_eq!(
+        s.state,
+        k8s_cri::v1::ContainerState::ContainerExited as i32,
+        "{s:?}"
+    );
+    cri.remove_pod(&pod)
+        .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", ctd.log()));
+    assert!(cri.pods().is_empty());
+    nothing_left_of(&ctd.base);
+}
+
+/// A pod's `io.amvm.egress` annotation (passed to its containers by the runtime's
+/// `pod_annotations`) gives its containers amvm's egress: 100,000 bytes come through it whole;
+/// a container of a pod without the annotation has no way out.
+#[test]
+fn a_pods_egress_annotation_gives_its_containers_the_egress() {
+    use amvm_tests::egress_server::{EgressServer, Pace};
+    require_kvm();
+    let egress = EgressServer::start("cri-pod", Pace::Fast);
+    let ctd = Containerd::start("egress", &amvm_bin());
+    ctd.import_busybox();
+    let mut cri = ctd.client();
+    let fetch = [
+        "sh",
+        "-c",
+        "printf 'DOWN 100000\\n' | nc 127.0.0.1 4700 | wc -c",
+    ];
+    for (name, annotations) in [
+        ("with", vec![("io.amvm.egress", egress.path_str())]),
+        ("without", vec![]),
+    ] {
+        let logs = ctd.base.join("logs").join(name);
+        let config = pod_config(name, &logs, &annotations);
+        let pod = cri
+            .run_pod(&config, "amvm")
+            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
+        let c = cri
+            .create(&pod, &config, "fetch", &fetch)
+            .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+        cri.start(&c)
+            .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        let code = cri
+            .wait_exited(&c, Duration::from_secs(300))
+            .unwrap_or_else(|s| panic!("not exited: {s:?}\n{}", ctd.log()));
+        assert_eq!(code, 0, "{}", ctd.log());
+        let want = if annotations.is_empty() {
+            "0"
+        } else {
+            "100000"
+        };
+        let lines = log_lines(&logs.join("fetch.log"));
+        let stdout: Vec<&str> = lines
+            .iter()
+            .filter(|(stream, _)| stream == "stdout")
+            .map(|(_, l)| l.as_str())
+            .collect();
+        assert_eq!(stdout, [want], "{name}: {lines:?}");
+        if annotations.is_empty() {
+            assert!(
+                lines.iter().any(|(_, l)| l.contains("Connection refused")),
+                "{lines:?}"
+            );
+        }
+        cri.stop_pod(&pod)
+            .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", ctd.log()));
+        cri.remove_pod(&pod)
+            .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", ctd.log()));
+    }
+    nothing_left_of(&ctd.base);
+}
