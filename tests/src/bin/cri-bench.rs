@@ -17,6 +17,57 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// The process whose command line holds all of `needles`.
+fn process_with(needles: &[&str]) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd);
+        needles.iter().all(|n| cmd.contains(n)).then_some(pid)
+    })
+}
+
+/// `pid` and every process below it.
+fn tree(pid: u32) -> Vec<u32> {
+    let mut parent = std::collections::HashMap::<u32, Vec<u32>>::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(p) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        // The fields after the command's closing parenthesis: state, ppid, ...
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if let Some(pp) = ppid {
+            parent.entry(pp).or_default().push(p);
+        }
+    }
+    let mut all = vec![pid];
+    let mut i = 0;
+    while i < all.len() {
+        all.extend(parent.get(&all[i]).into_iter().flatten());
+        i += 1;
+    }
+    all
+}
+
+/// The proportional set size of `pids` together, in MiB (/proc/PID/smaps_rollup).
+fn pss_mib(pids: &[u32]) -> f64 {
+    let kib: u64 = pids
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/smaps_rollup")).ok())
+        .filter_map(|t| {
+            t.lines()
+                .find(|l| l.starts_with("Pss:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .sum();
+    kib as f64 / 1024.0
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let opt = |name: &str| {
@@ -32,7 +83,7 @@ fn main() {
     let mut cri = ctd.client();
     let mut rows: Vec<(&str, Vec<f64>)> = Vec::new();
     for handler in ["runc", "amvm"] {
-        let (mut start, mut exec, mut stop) = (vec![], vec![], vec![]);
+        let (mut start, mut exec, mut stop, mut mem) = (vec![], vec![], vec![], vec![]);
         for i in 0..runs {
             let name = format!("{handler}-{i}");
             let logs = ctd.base.join("logs").join(&name);
@@ -61,6 +112,10 @@ fn main() {
                 std::thread::sleep(Duration::from_millis(5));
             }
             start.push(t0.elapsed().as_secs_f64());
+            // The pod's shim and everything below it (the shim is their subreaper): for amvm
+            // the VMs' supervisors, VMMs and virtiofsd, for runc the pod's processes.
+            let shim = process_with(&["containerd-shim", &pod]).expect("the pod's shim");
+            mem.push(pss_mib(&tree(shim)));
             let t1 = Instant::now();
             let (code, _, _) = cri.exec_sync(&c, &["true"], 300).expect("ExecSync");
             assert_eq!(code, 0);
@@ -70,22 +125,26 @@ fn main() {
             cri.remove_pod(&pod).expect("RemovePodSandbox");
             stop.push(t2.elapsed().as_secs_f64());
         }
-        rows.push((handler, vec![median(start), median(exec), median(stop)]));
+        rows.push((
+            handler,
+            vec![median(start), median(exec), median(stop), median(mem)],
+        ));
     }
     let what = [
         "pod start: RunPodSandbox to the first container output",
         "ExecSync `true` into the running container",
         "StopPodSandbox + RemovePodSandbox",
+        "host memory of a running pod: PSS of its shim's tree, MiB",
     ];
-    println!("\nCRI pods through containerd, median of {runs} (seconds)\n");
+    println!("\nCRI pods through containerd, median of {runs} (seconds unless said)\n");
     println!(
-        "| {:<56} | {:>8} | {:>8} | {:>10} |",
+        "| {:<58} | {:>8} | {:>8} | {:>10} |",
         "", "runc", "amvm", "amvm/runc"
     );
-    println!("|{:-<58}|{:->10}|{:->10}|{:->12}|", "", "", "", "");
+    println!("|{:-<60}|{:->10}|{:->10}|{:->12}|", "", "", "", "");
     for (i, w) in what.iter().enumerate() {
         let (r, a) = (rows[0].1[i], rows[1].1[i]);
-        println!("| {w:<56} | {r:>8.3} | {a:>8.3} | {:>10.2} |", a / r);
+        println!("| {w:<58} | {r:>8.3} | {a:>8.3} | {:>10.2} |", a / r);
     }
     let (r, a) = (rows[0].1[0], rows[1].1[0]);
     println!(
