@@ -206,3 +206,122 @@ fn a_pods_egress_annotation_gives_its_containers_the_egress() {
     }
     nothing_left_of(&ctd.base);
 }
+
+/// What a pod-aware runtime stands on: a root file system mounted on the host under a VM's
+/// share *after* the VM started reaches the guest (amvm's and virtiofsd's mounts are slaves of
+/// the host's), and `amvm exec --root` runs a command chrooted into such a root with /proc,
+/// /sys and /dev inside it: two roots in one VM, each with its own files; a root that is not
+/// there, or not absolute, is refused with 125 and the reason.
+#[test]
+fn exec_root_runs_commands_in_roots_mounted_on_the_host_after_the_vm_started() {
+    require_kvm();
+    struct Cleanup {
+        base: std::path::PathBuf,
+        xdg: std::path::PathBuf,
+    }
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new(amvm_bin())
+                .args(["rm", "-f", "roots"])
+                .env("XDG_RUNTIME_DIR", &self.xdg)
+                .output();
+            let _ = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!(
+                    "grep -o ' {}[^ ]*' /proc/mounts | sort -r | xargs -r -n1 umount -l",
+                    self.base.display()
+                ))
+                .status();
+            let _ = std::fs::remove_dir_all(&self.base);
+        }
+    }
+    let base = std::path::PathBuf::from(format!("/dev/shm/amvm-roots-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    let (xdg, pod) = (base.join("xdg"), base.join("pod"));
+    std::fs::create_dir_all(&xdg).unwrap();
+    std::fs::create_dir_all(&pod).unwrap();
+    let _cleanup = Cleanup {
+        base: base.clone(),
+        xdg: xdg.clone(),
+    };
+    let sh = |script: &str| {
+        let st = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .status()
+            .unwrap();
+        assert!(st.success(), "{script}");
+    };
+    // The pod's directory as a shared mount: what is mounted under it later propagates.
+    let p = pod.display();
+    sh(&format!("mount --bind {p} {p} && mount --make-shared {p}"));
+    let amvm = |args: &[&str]| {
+        amvm_tests::Outcome::from(
+            std::process::Command::new(amvm_bin())
+                .args(args)
+                .env("XDG_RUNTIME_DIR", &xdg)
+                .stdin(std::process::Stdio::null())
+                .output()
+                .unwrap(),
+        )
+    };
+    let share = format!("{p}:/pod:rw");
+    let o = amvm(&[
+        "create",
+        "--name",
+        "roots",
+        "--timeout",
+        "600",
+        "-v",
+        &share,
+    ]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+    for c in ["c1", "c2"] {
+        let r = pod.join(c).join("rootfs");
+        std::fs::create_dir_all(&r).unwrap();
+        sh(&format!("mount -t tmpfs {c} {}", r.display()));
+        amvm_tests::busybox_root(&r);
+        std::fs::write(r.join("etc/marker"), format!("I am {c}\n")).unwrap();
+    }
+    let script = "cat /etc/marker; test -e /proc/self/status && echo proc; \
+                  test -c /dev/null && echo dev; test -d /sys/kernel && echo sys; \
+                  test -e /pod || echo no pod";
+    for c in ["c1", "c2"] {
+        let root = format!("/pod/{c}/rootfs");
+        // Twice: the second exec finds the root set up already.
+        for _ in 0..2 {
+            let o = amvm(&[
+                "exec", "--root", &root, "-w", "/", "roots", "--", "sh", "-c", script,
+            ]);
+            assert_eq!(o.code, 0, "{}", o.stderr);
+            assert_eq!(
+                o.stdout_str(),
+                format!("I am {c}\nproc\ndev\nsys\nno pod\n")
+            );
+        }
+    }
+    let o = amvm(&[
+        "exec",
+        "--root",
+        "/pod/c3/rootfs",
+        "-w",
+        "/",
+        "roots",
+        "--",
+        "true",
+    ]);
+    assert_eq!(o.code, 125, "{}", o.stderr);
+    assert!(
+        o.stderr
+            .contains("the root /pod/c3/rootfs: No such file or directory"),
+        "{}",
+        o.stderr
+    );
+    let o = amvm(&["exec", "--root", "pod/c1", "roots", "--", "true"]);
+    assert_eq!(o.code, 125, "{}", o.stderr);
+    assert!(
+        o.stderr.contains("--root pod/c1: say an absolute"),
+        "{}",
+        o.stderr
+    );
+}

@@ -142,7 +142,7 @@ pub fn root(spec: &RunSpec) -> io::Result<()> {
 
 /// A container's root (its share mounted at `root` already): the kernel's file systems inside
 /// it, as a container runtime makes them. Its own `/etc` and the rest are the image's.
-fn container_root(root: &Path) -> io::Result<()> {
+pub(crate) fn container_root(root: &Path) -> io::Result<()> {
     let at = |p: &str| root.join(p);
     let need = |p: &Path| -> io::Result<()> {
         if p.is_dir() {

@@ -172,6 +172,10 @@ pub struct ExecSpec {
     pub groups: Vec<u32>,
     /// Resource limits to set: (RLIMIT_* number below [`RLIM_NLIMITS`], soft, hard).
     pub rlimits: Vec<(u32, u64, u64)>,
+    /// A directory of the guest to run the process chrooted into, with the kernel's file
+    /// systems mounted inside it (a pod's container root on a share); empty: the session's
+    /// root. Absolute when set.
+    pub root: Vec<u8>,
 }
 
 /// include/uapi/linux/limits.h: NGROUPS_MAX.
@@ -220,7 +224,8 @@ impl ExecSpec {
         let flags = u32::from(self.stdin)
             | u32::from(self.tty.is_some()) << 1
             | u32::from(self.caps.is_some()) << 2
-            | u32::from(extra) << 3;
+            | u32::from(extra) << 3
+            | u32::from(!self.root.is_empty()) << 4;
         out.extend_from_slice(&flags.to_le_bytes());
         let (rows, cols) = self.tty.unwrap_or((0, 0));
         out.extend_from_slice(&rows.to_le_bytes());
@@ -245,6 +250,10 @@ impl ExecSpec {
                 out.extend_from_slice(&soft.to_le_bytes());
                 out.extend_from_slice(&hard.to_le_bytes());
             }
+        }
+        // Flag 16: the root follows, last.
+        if !self.root.is_empty() {
+            put_bytes(&mut out, &self.root);
         }
         out
     }
@@ -286,6 +295,13 @@ impl ExecSpec {
                 rlimits.push((resource, soft, hard));
             }
         }
+        let mut root = Vec::new();
+        if flags & 16 != 0 {
+            root = r.bytes()?.to_vec();
+            if !root.starts_with(b"/") || root.contains(&0) {
+                return Err(ProtocolError::BadEntry);
+            }
+        }
         if !r.buf.is_empty() {
             return Err(ProtocolError::TrailingBytes(r.buf.len()));
         }
@@ -295,6 +311,7 @@ impl ExecSpec {
         Ok(ExecSpec {
             groups,
             rlimits,
+            root,
             tty: (flags & 2 != 0).then_some((rows, cols)),
             caps: (flags & 4 != 0).then_some(caps),
             id,
@@ -1043,6 +1060,7 @@ mod tests {
             caps: Some(1 << 21 | 1),
             groups: vec![10, 4242],
             rlimits: vec![(7, 321, 654), (6, u64::MAX, u64::MAX)],
+            root: b"/run/amvm/pod/c1/rootfs".to_vec(),
         }
     }
 
@@ -1086,6 +1104,21 @@ mod tests {
             };
             assert_eq!(ExecSpec::decode(&e.encode()), Err(ProtocolError::BadEntry));
         }
+        // Without a root, nothing of it is sent; a relative one is refused.
+        let rootless = ExecSpec {
+            root: vec![],
+            ..exec_spec()
+        };
+        assert_eq!(rootless.encode().len() + 4 + e.root.len(), enc.len());
+        assert_eq!(ExecSpec::decode(&rootless.encode()).unwrap(), rootless);
+        let relative = ExecSpec {
+            root: b"pod/c1".to_vec(),
+            ..exec_spec()
+        };
+        assert_eq!(
+            ExecSpec::decode(&relative.encode()),
+            Err(ProtocolError::BadEntry)
+        );
         let empty = ExecSpec {
             argv: vec![],
             ..exec_spec()

@@ -60,6 +60,8 @@ struct Shared {
     extra_env: Vec<Vec<u8>>,
     /// A container's root every exec is chrooted into (empty: none).
     root: Vec<u8>,
+    /// The roots execs named of their own ([`ExecSpec::root`]), each set up once.
+    exec_roots: Mutex<std::collections::HashSet<Vec<u8>>>,
 }
 
 /// Serve the session until the host asks it to stop (or goes away); then every process is
@@ -77,6 +79,7 @@ pub fn serve(
         cgroup,
         extra_env,
         root,
+        exec_roots: Mutex::default(),
     });
     chan.ready();
     loop {
@@ -293,6 +296,22 @@ fn exec(spec: &ExecSpec, shared: &Shared) -> io::Result<()> {
     Ok(())
 }
 
+/// Make `root` ready for execs chrooted into it, once: a directory with the kernel's file
+/// systems mounted inside, as a session's container root has them.
+fn exec_root(shared: &Shared, root: &[u8]) -> io::Result<()> {
+    let mut done = lock(&shared.exec_roots);
+    if done.contains(root) {
+        return Ok(());
+    }
+    let path = std::path::Path::new(OsStr::from_bytes(root));
+    if !std::fs::metadata(path)?.is_dir() {
+        return Err(io::Error::other("not a directory"));
+    }
+    crate::mounts::container_root(path)?;
+    done.insert(root.to_vec());
+    Ok(())
+}
+
 /// Spawn the exec's process and relay it to the end; its status, and the stdin copier.
 fn run(
     spec: &ExecSpec,
@@ -306,10 +325,22 @@ fn run(
             env.push(kv.clone());
         }
     }
-    if shared.root.is_empty() {
+    // The exec's own root (a pod's container), else the session's.
+    let root = if spec.root.is_empty() {
+        &shared.root
+    } else {
+        if let Err(e) = exec_root(shared, &spec.root) {
+            let root = String::from_utf8_lossy(&spec.root);
+            let msg = format!("amvm: the root {root}: {e}\n");
+            stream.send(FrameKind::Stderr, msg.as_bytes())?;
+            return Ok((crate::workload::EXIT_SETUP_FAILURE, None));
+        }
+        &spec.root
+    };
+    if root.is_empty() {
         prepare_home_for(&env, spec.uid, spec.gid);
     }
-    let cwd_seen = crate::workload::in_root(&shared.root, &spec.cwd);
+    let cwd_seen = crate::workload::in_root(root, &spec.cwd);
     if let Err(e) = can_enter(&cwd_seen, spec.uid, spec.gid) {
         let cwd = String::from_utf8_lossy(&spec.cwd);
         let msg = format!("amvm: cannot enter the working directory {cwd}: {e}\n");
@@ -325,14 +356,14 @@ fn run(
         }
     };
     let mut cmd = command(&spec.argv, &env);
-    if shared.root.is_empty() {
+    if root.is_empty() {
         cmd.current_dir(OsStr::from_bytes(&spec.cwd));
     }
     let mut confinement = Confinement::new(cgroup.procs(), spec.uid, spec.gid);
     confinement.caps = spec.caps;
     confinement.groups = spec.groups.clone();
     confinement.rlimits = spec.rlimits.clone();
-    if let Err(e) = confinement.in_root(&shared.root, &spec.cwd) {
+    if let Err(e) = confinement.in_root(root, &spec.cwd) {
         let msg = format!("amvm: the root or working directory: {e}\n");
         stream.send(FrameKind::Stderr, msg.as_bytes())?;
         return Ok((crate::workload::EXIT_SETUP_FAILURE, None));

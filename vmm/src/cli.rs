@@ -336,6 +336,10 @@ pub struct ExecArgs {
     /// UID[:GID] the command runs as (default: the sandbox's).
     #[arg(long, value_name = "UID[:GID]")]
     pub user: Option<String>,
+    /// Run the command chrooted into DIR, a directory of the guest (a root file system on a
+    /// share: `-v HOST:GUEST`), with /proc, /sys and /dev mounted inside it on first use.
+    #[arg(long, value_name = "DIR")]
+    pub root: Option<String>,
     /// The sandbox's id or name.
     #[arg(value_name = "SANDBOX")]
     pub sandbox: String,

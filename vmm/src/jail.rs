@@ -1,6 +1,6 @@
 //! What the amvm process gives up before it starts anything: descriptors it inherited, the
 //! host's network (an empty network namespace: only a `lo` that is down) and mount
-//! propagation (a private mount namespace). It needs no root: a user in the `kvm` group gets
+//! propagation out (a mount namespace of its own, its mounts slaves of the host's). It needs no root: a user in the `kvm` group gets
 //! the same namespaces through a user namespace that maps only their own uid and gid.
 //!
 //! Egress still works: streams go to a unix socket *path*, which the filesystem resolves
@@ -36,7 +36,7 @@ pub enum JailError {
         #[source]
         source: io::Error,
     },
-    #[error("making amvm's mounts private: {0}")]
+    #[error("making amvm's mounts slaves of the host's: {0}")]
     Propagation(io::Error),
     #[error("closing inherited descriptors: {0}")]
     CloseFds(io::Error),
@@ -341,20 +341,28 @@ pub fn unshare_as_self(extra: libc::c_int) -> Result<(), JailError> {
         write("uid_map", "/proc/self/uid_map", format!("{uid} {uid} 1"))?;
         write("gid_map", "/proc/self/gid_map", format!("{gid} {gid} 1"))?;
     }
-    // Nothing amvm (or virtiofsd) mounts may propagate back to the host.
-    make_mounts_private().map_err(JailError::Propagation)
+    // Nothing amvm (or virtiofsd) mounts may propagate back to the host. Slave, not private:
+    // what the host mounts later under a shared mount still shows here, and so to virtiofsd
+    // (whose own namespace is a slave of this one): a pod's container roots, mounted on the
+    // host after its VM started, reach the guest that way.
+    set_propagation(libc::MS_SLAVE).map_err(JailError::Propagation)
 }
 
 /// In a fresh mount namespace: make every mount private, so nothing mounted from here on
-/// propagates back to the host's namespace.
+/// propagates back to the host's namespace, nor from there to here.
 pub fn make_mounts_private() -> io::Result<()> {
+    set_propagation(libc::MS_PRIVATE)
+}
+
+/// Set every mount's propagation to `kind` (MS_PRIVATE or MS_SLAVE), recursively from `/`.
+fn set_propagation(kind: libc::c_ulong) -> io::Result<()> {
     // SAFETY: mount(2) with a static, NUL-terminated path and no data.
     let r = unsafe {
         libc::mount(
             std::ptr::null(),
             c"/".as_ptr(),
             std::ptr::null(),
-            libc::MS_REC | libc::MS_PRIVATE,
+            libc::MS_REC | kind,
             std::ptr::null(),
         )
     };

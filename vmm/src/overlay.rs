@@ -185,7 +185,7 @@ fn is_overlayfs(dir: &Path) -> bool {
 }
 
 /// Mount the overlay on `scratch/merged` in amvm's own mount namespace (after
-/// `jail::enter_namespaces`, which made it private).
+/// `jail::enter_namespaces`, from which no mount propagates to the host).
 pub fn mount(ov: &Overlay, scratch: &Path) -> Result<(), OverlayError> {
     // SAFETY: geteuid cannot fail and takes no pointers.
     let root = unsafe { libc::geteuid() } == 0;

@@ -379,6 +379,7 @@ fn run(cli: OciCli) -> Result<u8, OciError> {
                         capabilities: None,
                         groups: Vec::new(),
                         rlimits: Vec::new(),
+                        root: None,
                     }
                 }
             };
@@ -485,6 +486,7 @@ fn create(
         capabilities: b.process.capabilities,
         groups: b.process.groups.clone(),
         rlimits: b.process.rlimits.clone(),
+        root: None,
     };
     // SAFETY: fork(2) from this single-threaded process (the sandbox's supervisor was forked
     // off before, and nothing here started a thread); the child only waits and execs.
@@ -777,6 +779,7 @@ fn exec_args_from(path: &Path, sandbox: &str) -> Result<crate::cli::ExecArgs, Oc
         capabilities: spec::capabilities(&p)?,
         groups,
         rlimits,
+        root: None,
     })
 }
 

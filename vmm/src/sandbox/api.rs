@@ -98,6 +98,11 @@ pub struct ExecRequest {
     /// Resource limits (default: the sandbox's).
     #[serde(default)]
     pub rlimits: Vec<Rlimit>,
+    /// A directory of the guest (absolute) to run the command chrooted into, with /proc, /sys
+    /// and /dev mounted inside it on first use: a root file system on a share. Default: the
+    /// sandbox's root.
+    #[serde(default)]
+    pub root: Option<String>,
 }
 
 /// A resource limit, in OCI's form: `{"type": "RLIMIT_NOFILE", "soft": 1024, "hard": 4096}`.
@@ -419,6 +424,7 @@ mod tests {
                 capabilities: None,
                 groups: vec![],
                 rlimits: vec![],
+                root: None,
             }
         );
         let s: StopRequest = serde_json::from_str("{}").unwrap();

@@ -447,6 +447,7 @@ impl Sandbox {
             capabilities: None,
             groups: vec![],
             rlimits: vec![],
+            root: None,
         })?;
         let mut out = Output {
             status: 0,

@@ -87,6 +87,7 @@ pub(crate) fn exec_in(
         capabilities: args.capabilities,
         groups: args.groups,
         rlimits: args.rlimits,
+        root: args.root,
     })?;
     // Raw mode on the caller's terminal while the command has one of its own (restored when
     // this returns), and its window size kept up to date.

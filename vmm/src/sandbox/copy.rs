@@ -59,6 +59,7 @@ pub(crate) fn script_exec(script: &str, args: &[&str], stdin: bool) -> ExecReque
         capabilities: None,
         groups: vec![],
         rlimits: vec![],
+        root: None,
     }
 }
 

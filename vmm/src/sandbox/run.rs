@@ -93,6 +93,7 @@ pub fn run(args: RunArgs) -> Result<u8, SandboxError> {
             capabilities: None,
             groups: Vec::new(),
             rlimits: Vec::new(),
+            root: None,
             command,
         },
         signals,

@@ -1460,6 +1460,15 @@ fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> 
     let info = sup.snapshot();
     let user = req.user.as_deref().unwrap_or(&info.config.user);
     let (uid, gid) = crate::config::parse_user(user).map_err(|e| e.to_string())?;
+    let root = match &req.root {
+        Some(r) if r.starts_with('/') && !r.contains('\0') && r != "/" => r.clone(),
+        Some(r) => {
+            return Err(format!(
+                "--root {r}: say an absolute directory of the guest other than /"
+            ))
+        }
+        None => String::new(),
+    };
     let cwd = match &req.workdir {
         Some(w) if w.starts_with('/') => w.clone(),
         Some(w) => return Err(format!("-w {w}: the working directory must be absolute")),
@@ -1496,6 +1505,7 @@ fn exec_spec(sup: &Sup, id: u64, req: &ExecRequest) -> Result<ExecSpec, String> 
         caps: req.capabilities,
         groups: req.groups.clone(),
         rlimits: rlimits(&req.rlimits)?,
+        root: root.into_bytes(),
     };
     let len = spec.encode().len();
     if len > guest_init::protocol::MAX_SPEC_LEN {
