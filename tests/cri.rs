@@ -2,9 +2,10 @@
 //! and its CRI plugin, started by the test on a socket of its own, driven by a CRI client on
 //! the published protobufs (tests/src/cri.rs) the way a kubelet drives it.
 //!
-//! Runtime handler `amvm` here is docs/engines.md's configuration: containerd's runc shim with
-//! amvm-runc as its runtime binary, so each container of a pod (its sandbox container too) is
-//! a microVM of its own.
+//! Two runtime handlers, both as docs/engines.md configures them: `amvm`, amvm's pod-aware shim
+//! (containerd-shim-amvm-v2: a pod is one microVM), and `amvm-runc`, containerd's runc shim with
+//! amvm-runc as its runtime binary (each container of a pod, its sandbox container too, a
+//! microVM of its own).
 
 use amvm_tests::cri::{log_lines, pod_config, Containerd};
 use amvm_tests::{amvm_bin, leftovers, require_kvm, run_vm};
@@ -39,13 +40,13 @@ fn nothing_left_of(base: &std::path::Path) {
     }
 }
 
-/// A pod with runtime handler `amvm`: a container's stdout and stderr reach its CRI log and
+/// A pod with runtime handler `amvm-runc`: a container's stdout and stderr reach its CRI log and
 /// its exit status its ContainerStatus, it runs on amvm's kernel (not the host's), ExecSync
 /// into a running container returns output and status, a container whose command is not
 /// there ends 127 saying so in its log, and stopping and removing the pod leaves no VMM,
 /// virtiofsd, shim or sandbox behind.
 #[test]
-fn a_pod_runs_in_amvm_microvms_through_containerds_cri() {
+fn a_pod_runs_through_the_runc_shim_with_amvm_runc_a_vm_per_container() {
     require_kvm();
     let kernel = amvms_kernel();
     let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
@@ -58,7 +59,7 @@ fn a_pod_runs_in_amvm_microvms_through_containerds_cri() {
     let logs = ctd.base.join("logs/pod");
     let config = pod_config("pod", &logs, &[]);
     let pod = cri
-        .run_pod(&config, "amvm")
+        .run_pod(&config, "amvm-runc")
         .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
 
     let once = cri
@@ -147,9 +148,9 @@ fn a_pod_runs_in_amvm_microvms_through_containerds_cri() {
     nothing_left_of(&ctd.base);
 }
 
-/// A pod's `io.amvm.egress` annotation (passed to its containers by the runtime's
-/// `pod_annotations`) gives its containers amvm's egress: 100,000 bytes come through it whole;
-/// a container of a pod without the annotation has no way out.
+/// A pod's `io.amvm.egress` annotation (passed on by the runtime's `pod_annotations`) gives its
+/// containers amvm's egress, with either handler: 100,000 bytes come through it whole; a
+/// container of a pod without the annotation has no way out.
 #[test]
 fn a_pods_egress_annotation_gives_its_containers_the_egress() {
     use amvm_tests::egress_server::{EgressServer, Pace};
@@ -163,14 +164,19 @@ fn a_pods_egress_annotation_gives_its_containers_the_egress() {
         "-c",
         "printf 'DOWN 100000\\n' | nc 127.0.0.1 4700 | wc -c",
     ];
-    for (name, annotations) in [
-        ("with", vec![("io.amvm.egress", egress.path_str())]),
-        ("without", vec![]),
+    for (handler, name, annotations) in [
+        ("amvm", "with", vec![("io.amvm.egress", egress.path_str())]),
+        (
+            "amvm-runc",
+            "with-runc",
+            vec![("io.amvm.egress", egress.path_str())],
+        ),
+        ("amvm", "without", vec![]),
     ] {
         let logs = ctd.base.join("logs").join(name);
         let config = pod_config(name, &logs, &annotations);
         let pod = cri
-            .run_pod(&config, "amvm")
+            .run_pod(&config, handler)
             .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
         let c = cri
             .create(&pod, &config, "fetch", &fetch)
@@ -324,4 +330,174 @@ fn exec_root_runs_commands_in_roots_mounted_on_the_host_after_the_vm_started() {
         "{}",
         o.stderr
     );
+}
+
+/// `cat /proc/sys/kernel/random/boot_id` differs from kernel to kernel: the same value from two
+/// containers means one VM.
+const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
+
+/// Runtime handler `amvm`, amvm's pod-aware shim: a pod is one microVM. Its two containers run
+/// on one kernel (one boot id, not the host's), each in its own root, and reach each other on
+/// `localhost` and through an emptyDir; exit codes and logs are each container's own; ExecSync
+/// runs in a container; a missing command fails its container alone (127, said in its log); a
+/// second pod at the same time has a VM of its own; stopping and removing both leaves no VMM,
+/// virtiofsd, shim, mount or sandbox behind.
+#[test]
+fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
+    require_kvm();
+    let host_boot = std::fs::read_to_string(BOOT_ID).unwrap();
+    let ctd = Containerd::start("shim", &amvm_bin());
+    ctd.import_busybox();
+    let mut cri = ctd.client();
+    let logs = ctd.base.join("logs/pod");
+    let config = pod_config("pod", &logs, &[]);
+    let pod = cri
+        .run_pod(&config, "amvm")
+        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
+    let empty = ctd.base.join("emptydir");
+    std::fs::create_dir_all(&empty).unwrap();
+    let mounts = [(empty.as_path(), "/shared")];
+    let server = cri
+        .create_mounting(
+            &pod,
+            &config,
+            "server",
+            &[
+                "sh",
+                "-c",
+                "cat /proc/sys/kernel/random/boot_id; touch /only-in-server; \
+                 echo ready > /shared/greeting; nc -l -p 7070 > /shared/got; echo server done",
+            ],
+            &mounts,
+        )
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    let client = cri
+        .create_mounting(
+            &pod,
+            &config,
+            "client",
+            &[
+                "sh",
+                "-c",
+                "while ! test -e /shared/greeting; do sleep 0.1; done; sleep 1; \
+                 cat /proc/sys/kernel/random/boot_id; \
+                 echo over localhost | nc 127.0.0.1 7070; \
+                 test -e /only-in-server && echo one root || echo own root; exit 5",
+            ],
+            &mounts,
+        )
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    for c in [&server, &client] {
+        cri.start(c)
+            .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    }
+    let wait = |cri: &mut amvm_tests::cri::Cri, id: &str| {
+        cri.wait_exited(id, Duration::from_secs(300))
+            .unwrap_or_else(|s| panic!("not exited: {s:?}\n{}", ctd.log()))
+    };
+    assert_eq!(wait(&mut cri, &server), 0, "{}", ctd.log());
+    assert_eq!(wait(&mut cri, &client), 5, "{}", ctd.log());
+    let out = |name: &str| -> Vec<String> {
+        log_lines(&logs.join(format!("{name}.log")))
+            .into_iter()
+            .filter(|(s, _)| s == "stdout")
+            .map(|(_, l)| l)
+            .collect()
+    };
+    let (s, c) = (out("server"), out("client"));
+    assert_eq!(s.len(), 2, "{s:?}");
+    assert_eq!(s[1], "server done");
+    assert_eq!(c.len(), 2, "{c:?}");
+    assert_eq!(s[0], c[0], "two kernels: {s:?} {c:?}");
+    assert_ne!(s[0], host_boot.trim(), "the host's kernel");
+    assert_eq!(c[1], "own root");
+    assert_eq!(
+        std::fs::read_to_string(empty.join("got")).unwrap(),
+        "over localhost\n"
+    );
+
+    // ExecSync into a running container, on the same kernel.
+    let long = cri
+        .create(&pod, &config, "long", &["sleep", "600"])
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&long)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    let (code, stdout, stderr) = cri
+        .exec_sync(
+            &long,
+            &[
+                "sh",
+                "-c",
+                "cat /proc/sys/kernel/random/boot_id; echo oops >&2; exit 4",
+            ],
+            300,
+        )
+        .unwrap_or_else(|e| panic!("ExecSync: {e}\n{}", ctd.log()));
+    assert_eq!(
+        (code, stdout.trim(), stderr.as_str()),
+        (4, s[0].as_str(), "oops\n")
+    );
+
+    // A command that is not there fails that container, and only it.
+    let missing = cri
+        .create(&pod, &config, "missing", &["/no/such/command"])
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&missing)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    assert_eq!(wait(&mut cri, &missing), 127, "{}", ctd.log());
+    let lines = log_lines(&logs.join("missing.log"));
+    assert!(
+        lines
+            .iter()
+            .any(|(stream, l)| stream == "stderr"
+                && l.ends_with("/no/such/command: command not found")),
+        "{lines:?}"
+    );
+    let s = cri.status(&long);
+    assert_eq!(
+        s.state,
+        k8s_cri::v1::ContainerState::ContainerRunning as i32,
+        "{s:?}"
+    );
+
+    // A second pod, at the same time: a VM of its own.
+    let logs2 = ctd.base.join("logs/other");
+    let config2 = pod_config("other", &logs2, &[]);
+    let other = cri
+        .run_pod(&config2, "amvm")
+        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
+    let one = cri
+        .create(&other, &config2, "one", &["cat", BOOT_ID])
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&one)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    assert_eq!(wait(&mut cri, &one), 0, "{}", ctd.log());
+    let o = log_lines(&logs2.join("one.log"));
+    assert_eq!(o.len(), 1, "{o:?}");
+    assert_ne!(o[0].1, s_boot(&logs), "one VM for two pods");
+
+    for p in [&pod, &other] {
+        cri.stop_pod(p)
+            .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", ctd.log()));
+    }
+    let s = cri.status(&long);
+    assert_eq!(
+        s.state,
+        k8s_cri::v1::ContainerState::ContainerExited as i32,
+        "{s:?}"
+    );
+    for p in [&pod, &other] {
+        cri.remove_pod(p)
+            .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", ctd.log()));
+    }
+    assert!(cri.pods().is_empty());
+    nothing_left_of(&ctd.base);
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    let state = ctd.base.join("state").display().to_string();
+    assert!(!mounts.contains(&state), "mounts left: {mounts}");
+}
+
+/// The boot id the first pod's server container printed.
+fn s_boot(logs: &std::path::Path) -> String {
+    log_lines(&logs.join("server.log"))[0].1.clone()
 }

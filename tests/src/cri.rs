@@ -17,8 +17,10 @@ use std::time::{Duration, Instant};
 /// itself, so it serves as the pod's sandbox ("pause") image too.
 pub const IMAGE: &str = "localhost/amvm-cri-busybox:latest";
 
-/// A containerd of the test's own under `base`, with two CRI runtime handlers: `runc`
-/// (Debian's runc) and `amvm`, the runc shim pointed at amvm-runc as docs/engines.md shows.
+/// A containerd of the test's own under `base`, with three CRI runtime handlers: `runc`
+/// (Debian's runc), `amvm` (amvm's pod-aware shim, containerd-shim-amvm-v2: one VM per pod)
+/// and `amvm-runc` (the runc shim pointed at amvm-runc: one VM per container), as
+/// docs/engines.md shows.
 pub struct Containerd {
     pub base: PathBuf,
     pub sock: PathBuf,
@@ -41,6 +43,14 @@ impl Containerd {
         }
         let runc = base.join("bin/amvm-runc");
         std::os::unix::fs::symlink(amvm, &runc).unwrap();
+        // The shim beside the amvm under test; it finds that amvm beside itself.
+        let shim = amvm.with_file_name("containerd-shim-amvm-v2");
+        assert!(
+            shim.exists(),
+            "{} not built: cargo build -p amvm builds it",
+            shim.display()
+        );
+        std::os::unix::fs::symlink(&shim, base.join("bin/containerd-shim-amvm-v2")).unwrap();
         let sock = base.join("containerd.sock");
         let config = format!(
             r#"version = 2
@@ -60,11 +70,17 @@ state = "{b}/state"
     default_runtime_name = "runc"
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
+    # amvm's pod-aware shim (containerd-shim-amvm-v2, found on containerd's PATH): one VM
+    # per pod.
     [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.amvm]
-      runtime_type = "io.containerd.runc.v2"
-      # A pod's io.amvm.* annotations (its egress) reach its containers' specs.
+      runtime_type = "io.containerd.amvm.v2"
+      # A pod's io.amvm.* annotations (its egress) reach its sandbox's and containers' specs.
       pod_annotations = ["io.amvm.*"]
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.amvm.options]
+    # The runc shim with amvm-runc: one VM per container.
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.amvm-runc]
+      runtime_type = "io.containerd.runc.v2"
+      pod_annotations = ["io.amvm.*"]
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.amvm-runc.options]
         BinaryName = "{r}"
 "#,
             b = base.display(),
@@ -73,9 +89,15 @@ state = "{b}/state"
         );
         std::fs::write(base.join("config.toml"), config).unwrap();
         let log = std::fs::File::create(base.join("containerd.log")).unwrap();
+        let path = format!(
+            "{}:{}",
+            base.join("bin").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
         let daemon = Command::new("/usr/bin/containerd")
             .arg("--config")
             .arg(base.join("config.toml"))
+            .env("PATH", path)
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
@@ -305,6 +327,19 @@ impl Cri {
         name: &str,
         command: &[&str],
     ) -> Result<String, tonic::Status> {
+        self.create_mounting(pod, pod_config, name, command, &[])
+    }
+
+    /// [`Cri::create`] with host directories mounted: `(host path, container path)`, as a
+    /// kubelet passes a pod's volumes (an emptyDir is a host directory of the pod's).
+    pub fn create_mounting(
+        &mut self,
+        pod: &str,
+        pod_config: &api::PodSandboxConfig,
+        name: &str,
+        command: &[&str],
+        mounts: &[(&Path, &str)],
+    ) -> Result<String, tonic::Status> {
         let req = api::CreateContainerRequest {
             pod_sandbox_id: pod.into(),
             config: Some(api::ContainerConfig {
@@ -317,6 +352,14 @@ impl Cri {
                     ..Default::default()
                 }),
                 command: command.iter().map(|s| s.to_string()).collect(),
+                mounts: mounts
+                    .iter()
+                    .map(|(host, path)| api::Mount {
+                        host_path: host.display().to_string(),
+                        container_path: path.to_string(),
+                        ..Default::default()
+                    })
+                    .collect(),
                 log_path: format!("{name}.log"),
                 ..Default::default()
             }),

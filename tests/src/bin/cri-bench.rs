@@ -1,6 +1,7 @@
 //! Pod benchmark through containerd's CRI (see tests/bench/cri): the same containerd, the same
-//! image and pod, runtime handler `runc` (Debian's runc) against `amvm`. Prints one table of
-//! medians.
+//! image and pod, runtime handler `runc` (Debian's runc) against `amvm` (amvm's pod shim: one VM
+//! per pod) and `amvm-runc` (the runc shim with amvm-runc: one VM per container). Prints one
+//! table of medians.
 //!
 //!   cri-bench --amvm PATH [--runs N]
 
@@ -82,7 +83,7 @@ fn main() {
     ctd.import_busybox();
     let mut cri = ctd.client();
     let mut rows: Vec<(&str, Vec<f64>)> = Vec::new();
-    for handler in ["runc", "amvm"] {
+    for handler in ["runc", "amvm", "amvm-runc"] {
         let (mut start, mut exec, mut stop, mut mem) = (vec![], vec![], vec![], vec![]);
         for i in 0..runs {
             let name = format!("{handler}-{i}");
@@ -138,13 +139,20 @@ fn main() {
     ];
     println!("\nCRI pods through containerd, median of {runs} (seconds unless said)\n");
     println!(
-        "| {:<58} | {:>8} | {:>8} | {:>10} |",
-        "", "runc", "amvm", "amvm/runc"
+        "| {:<58} | {:>8} | {:>8} | {:>9} | {:>9} | {:>14} |",
+        "", "runc", "amvm", "amvm-runc", "amvm/runc", "amvm-runc/runc"
     );
-    println!("|{:-<60}|{:->10}|{:->10}|{:->12}|", "", "", "", "");
+    println!(
+        "|{:-<60}|{:->10}|{:->10}|{:->11}|{:->11}|{:->16}|",
+        "", "", "", "", "", ""
+    );
     for (i, w) in what.iter().enumerate() {
-        let (r, a) = (rows[0].1[i], rows[1].1[i]);
-        println!("| {w:<58} | {r:>8.3} | {a:>8.3} | {:>10.2} |", a / r);
+        let (r, a, o) = (rows[0].1[i], rows[1].1[i], rows[2].1[i]);
+        println!(
+            "| {w:<58} | {r:>8.3} | {a:>8.3} | {o:>9.3} | {:>9.2} | {:>14.2} |",
+            a / r,
+            o / r
+        );
     }
     let (r, a) = (rows[0].1[0], rows[1].1[0]);
     println!(
