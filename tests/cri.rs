@@ -340,8 +340,9 @@ const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 /// on one kernel (one boot id, not the host's), each in its own root, and reach each other on
 /// `localhost` and through an emptyDir; exit codes and logs are each container's own; ExecSync
 /// runs in a container; a missing command fails its container alone (127, said in its log); a
-/// second pod at the same time has a VM of its own; stopping and removing both leaves no VMM,
-/// virtiofsd, shim, mount or sandbox behind.
+/// pod without limits gets amvm's default VM, a second pod at the same time a VM of its own
+/// sized by its resources; stopping and removing both leaves no VMM, virtiofsd, shim, mount or
+/// sandbox behind.
 #[test]
 fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
     require_kvm();
@@ -437,6 +438,18 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
         (code, stdout.trim(), stderr.as_str()),
         (4, s[0].as_str(), "oops\n")
     );
+    // A pod that sets no limits gets amvm's default VM: 512 MiB, 1 vCPU.
+    let (code, stdout, _) = cri
+        .exec_sync(
+            &long,
+            &["sh", "-c", "nproc; grep MemTotal /proc/meminfo"],
+            300,
+        )
+        .unwrap_or_else(|e| panic!("ExecSync: {e}\n{}", ctd.log()));
+    assert_eq!(code, 0);
+    let (cpus, mem) = size_of(&stdout);
+    assert_eq!(cpus, 1, "{stdout}");
+    assert!((400..=512).contains(&mem), "{stdout}");
 
     // A command that is not there fails that container, and only it.
     let missing = cri
@@ -460,21 +473,41 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
         "{s:?}"
     );
 
-    // A second pod, at the same time: a VM of its own.
+    // A second pod, at the same time: a VM of its own, sized by the pod's resources (what a
+    // kubelet passes: the sum of its containers' limits and the pod's overhead).
     let logs2 = ctd.base.join("logs/other");
-    let config2 = pod_config("other", &logs2, &[]);
+    let mut config2 = pod_config("other", &logs2, &[]);
+    config2.linux.as_mut().unwrap().resources = Some(k8s_cri::v1::LinuxContainerResources {
+        memory_limit_in_bytes: 256 << 20,
+        cpu_quota: 150_000,
+        cpu_period: 100_000,
+        ..Default::default()
+    });
     let other = cri
         .run_pod(&config2, "amvm")
         .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
     let one = cri
-        .create(&other, &config2, "one", &["cat", BOOT_ID])
+        .create(
+            &other,
+            &config2,
+            "one",
+            &[
+                "sh",
+                "-c",
+                "cat /proc/sys/kernel/random/boot_id; nproc; grep MemTotal /proc/meminfo",
+            ],
+        )
         .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
     cri.start(&one)
         .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
     assert_eq!(wait(&mut cri, &one), 0, "{}", ctd.log());
     let o = log_lines(&logs2.join("one.log"));
-    assert_eq!(o.len(), 1, "{o:?}");
+    assert_eq!(o.len(), 3, "{o:?}");
     assert_ne!(o[0].1, s_boot(&logs), "one VM for two pods");
+    // 256 MiB and 1.5 CPUs: a VM of 256 + 64 MiB (amvm's headroom) and 2 vCPUs.
+    let (cpus, mem) = size_of(&format!("{}\n{}", o[1].1, o[2].1));
+    assert_eq!(cpus, 2, "{o:?}");
+    assert!((256..=320).contains(&mem), "{o:?}");
 
     for p in [&pod, &other] {
         cri.stop_pod(p)
@@ -495,6 +528,18 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
     let state = ctd.base.join("state").display().to_string();
     assert!(!mounts.contains(&state), "mounts left: {mounts}");
+}
+
+/// `nproc` and MemTotal (in MiB) from `nproc; grep MemTotal /proc/meminfo`.
+fn size_of(out: &str) -> (u32, u64) {
+    let mut lines = out.lines();
+    let cpus = lines.next().and_then(|l| l.trim().parse().ok()).expect(out);
+    let kib: u64 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .expect(out);
+    (cpus, kib / 1024)
 }
 
 /// The boot id the first pod's server container printed.

@@ -35,6 +35,32 @@ const POD_IN_GUEST: &str = "/pod";
 /// The CRI plugin's annotations.
 const CONTAINER_TYPE: &str = "io.kubernetes.cri.container-type";
 const SANDBOX_ID: &str = "io.kubernetes.cri.sandbox-id";
+/// The pod's resources as the CRI plugin passes them to its sandbox (the kubelet's sum of the
+/// pod's limits and its overhead): memory in bytes, CPU quota and period.
+const SANDBOX_MEMORY: &str = "io.kubernetes.cri.sandbox-memory";
+const SANDBOX_CPU_QUOTA: &str = "io.kubernetes.cri.sandbox-cpu-quota";
+const SANDBOX_CPU_PERIOD: &str = "io.kubernetes.cri.sandbox-cpu-period";
+
+/// The pod VM's size from its sandbox's annotations: `--mem` (MiB: the pod's memory limit plus
+/// amvm's headroom, as amvm-runc sizes a container's VM) and `--cpus` (the quota over the period,
+/// rounded up), each `None` when the pod sets no limit (amvm's defaults then).
+fn pod_size(annotations: &HashMap<String, String>) -> (Option<u64>, Option<u64>) {
+    let num = |k: &str| {
+        annotations
+            .get(k)
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .filter(|&v| v > 0)
+            .map(|v| v as u64)
+    };
+    let mem = num(SANDBOX_MEMORY).map(|bytes| {
+        (bytes.div_ceil(1 << 20) + amvm::oci::spec::MEM_HEADROOM_MIB).max(amvm::config::MIN_MEM_MIB)
+    });
+    let cpus = match (num(SANDBOX_CPU_QUOTA), num(SANDBOX_CPU_PERIOD)) {
+        (Some(q), Some(p)) => Some(q.div_ceil(p).max(1)),
+        _ => None,
+    };
+    (mem, cpus)
+}
 
 fn err(code: ttrpc::Code, msg: impl Into<String>) -> ttrpc::Error {
     let msg = msg.into();
@@ -329,13 +355,14 @@ impl Service {
 
     /// Start the pod's VM: `amvm create` with the pod's directory shared at /pod.
     fn start_pod(&self, id: &str) -> Result<u32, String> {
-        let (bundle, egress) = {
+        let (bundle, egress, (mem, cpus)) = {
             let inner = self.lock();
             let c = inner.containers.get(id).ok_or("no such container")?;
             let spec = load_spec(&c.bundle)?;
             (
                 c.bundle.clone(),
                 spec.annotations.get("io.amvm.egress").cloned(),
+                pod_size(&spec.annotations),
             )
         };
         let dir = bundle.join("pod");
@@ -364,6 +391,13 @@ impl Service {
         let mut args = vec!["create", "--name", &name, "-v", &share, "--user", "0:0"];
         if let Some(e) = &egress {
             args.extend(["--egress", e]);
+        }
+        let (mem, cpus) = (mem.map(|m| m.to_string()), cpus.map(|c| c.to_string()));
+        if let Some(m) = &mem {
+            args.extend(["--mem", m]);
+        }
+        if let Some(c) = &cpus {
+            args.extend(["--cpus", c]);
         }
         if let Err(e) = amvm(&args) {
             unmount(&dir);
@@ -1010,4 +1044,34 @@ fn main() {
         ..Default::default()
     };
     shim::run::<Service>("io.containerd.amvm.v2", Some(config));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pods_resources_size_its_vm() {
+        let a = |kv: &[(&str, &str)]| {
+            kv.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<HashMap<_, _>>()
+        };
+        assert_eq!(pod_size(&a(&[])), (None, None));
+        let limits = a(&[
+            (SANDBOX_MEMORY, "268435456"),
+            (SANDBOX_CPU_QUOTA, "150000"),
+            (SANDBOX_CPU_PERIOD, "100000"),
+        ]);
+        assert_eq!(pod_size(&limits), (Some(256 + 64), Some(2)));
+        // No limit (0, -1 or nonsense) leaves amvm's defaults; a tiny one still gets the minimum.
+        let none = a(&[
+            (SANDBOX_MEMORY, "0"),
+            (SANDBOX_CPU_QUOTA, "-1"),
+            (SANDBOX_CPU_PERIOD, "100000"),
+        ]);
+        assert_eq!(pod_size(&none), (None, None));
+        assert_eq!(pod_size(&a(&[(SANDBOX_MEMORY, "lots")])), (None, None));
+        assert_eq!(pod_size(&a(&[(SANDBOX_MEMORY, "1")])), (Some(65), None));
+    }
 }
