@@ -339,7 +339,7 @@ const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 /// Runtime handler `amvm`, amvm's pod-aware shim: a pod is one microVM. Its two containers run
 /// on one kernel (one boot id, not the host's), each in its own root, and reach each other on
 /// `localhost` and through an emptyDir; exit codes and logs are each container's own; ExecSync
-/// runs in a container; a missing command fails its container alone (127, said in its log); a
+/// runs in a container; StopContainer's SIGTERM reaches the process in the guest; a missing command fails its container alone (127, said in its log); a
 /// pod without limits gets amvm's default VM, a second pod at the same time a VM of its own
 /// sized by its resources; stopping and removing both leaves no VMM, virtiofsd, shim, mount or
 /// sandbox behind.
@@ -450,6 +450,31 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
     let (cpus, mem) = size_of(&stdout);
     assert_eq!(cpus, 1, "{stdout}");
     assert!((400..=512).contains(&mem), "{stdout}");
+
+    // StopContainer: its SIGTERM reaches the process in the guest, which ends as it chooses.
+    let trap = cri
+        .create(
+            &pod,
+            &config,
+            "trap",
+            &[
+                "sh",
+                "-c",
+                "trap 'echo got TERM; exit 7' TERM; echo waiting; while :; do sleep 1; done",
+            ],
+        )
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&trap)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    let until = Instant::now() + Duration::from_secs(300);
+    while out("trap").is_empty() {
+        assert!(Instant::now() < until, "{}", ctd.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    cri.stop(&trap, 60)
+        .unwrap_or_else(|e| panic!("StopContainer: {e}\n{}", ctd.log()));
+    assert_eq!(wait(&mut cri, &trap), 7, "{}", ctd.log());
+    assert_eq!(out("trap"), ["waiting", "got TERM"]);
 
     // A command that is not there fails that container, and only it.
     let missing = cri

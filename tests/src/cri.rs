@@ -436,6 +436,18 @@ impl Cri {
             })
     }
 
+    /// StopContainer: SIGTERM (the image's stop signal), SIGKILL after `timeout_s`.
+    pub fn stop(&mut self, id: &str, timeout_s: i64) -> Result<(), tonic::Status> {
+        let req = api::StopContainerRequest {
+            container_id: id.into(),
+            timeout: timeout_s,
+        };
+        self.call("StopContainer", |mut c| async move {
+            c.stop_container(req).await
+        })
+        .map(|_| ())
+    }
+
     pub fn stop_pod(&mut self, pod: &str) -> Result<(), tonic::Status> {
         let req = api::StopPodSandboxRequest {
             pod_sandbox_id: pod.into(),
