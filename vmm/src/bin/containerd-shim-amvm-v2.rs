@@ -386,7 +386,7 @@ impl Service {
             unmount(&dir);
             return Err(format!("making {d} shared: {e}"));
         }
-        let name = format!("pod-{}", &id[..id.len().min(12)]);
+        let name = pod_name(id);
         let share = format!("{d}:{POD_IN_GUEST}:rw");
         let mut args = vec!["create", "--name", &name, "-v", &share, "--user", "0:0"];
         if let Some(e) = &egress {
@@ -403,13 +403,20 @@ impl Service {
             unmount(&dir);
             return Err(e);
         }
-        let child = Command::new(amvm_bin())
+        let child = match Command::new(amvm_bin())
             .args(["wait", &name])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .map_err(|e| format!("amvm wait: {e}"))?;
+        {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = amvm(&["rm", "-f", &name]);
+                unmount(&dir);
+                return Err(format!("amvm wait: {e}"));
+            }
+        };
         self.lock().pods.insert(id.into(), Pod { name, dir });
         Ok(self.watch(id, "", child))
     }
@@ -608,7 +615,7 @@ impl shim::Shim for Service {
         let dir = bundle.join("pod");
         if dir.exists() {
             if let Some(id) = bundle.file_name().and_then(|n| n.to_str()) {
-                let name = format!("pod-{}", &id[..id.len().min(12)]);
+                let name = pod_name(id);
                 let _ = amvm(&["rm", "-f", &name]);
             }
             unmount(&dir);
@@ -1020,6 +1027,12 @@ impl shim::Task for Service {
         }
         Ok(api::Empty::default())
     }
+}
+
+/// The amvm sandbox of the pod whose sandbox container is `id`: `pod-` and its first 12
+/// characters (`amvm ls` shows it).
+fn pod_name(id: &str) -> String {
+    format!("pod-{}", id.chars().take(12).collect::<String>())
 }
 
 /// Start (or find) the shim of this container's pod: its address. One shim per pod: the
