@@ -339,7 +339,8 @@ const BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 /// Runtime handler `amvm`, amvm's pod-aware shim: a pod is one microVM. Its two containers run
 /// on one kernel (one boot id, not the host's), each in its own root, and reach each other on
 /// `localhost` and through an emptyDir; exit codes and logs are each container's own; ExecSync
-/// runs in a container; StopContainer's SIGTERM reaches the process in the guest; a missing command fails its container alone (127, said in its log); a
+/// runs in a container; StopContainer's SIGTERM reaches the process in the guest; ContainerStats
+/// are each container's own; a container with `tty: true` runs on a terminal; a missing command fails its container alone (127, said in its log); a
 /// pod without limits gets amvm's default VM, a second pod at the same time a VM of its own
 /// sized by its resources; stopping and removing both leaves no VMM, virtiofsd, shim, mount or
 /// sandbox behind.
@@ -475,6 +476,66 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
         .unwrap_or_else(|e| panic!("StopContainer: {e}\n{}", ctd.log()));
     assert_eq!(wait(&mut cri, &trap), 7, "{}", ctd.log());
     assert_eq!(out("trap"), ["waiting", "got TERM"]);
+
+    // ContainerStats: the container's own CPU time and memory (a 20 MB string held by awk).
+    let busy = cri
+        .create(
+            &pod,
+            &config,
+            "busy",
+            &[
+                "sh",
+                "-c",
+                "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done; \
+                 exec awk 'BEGIN { s = sprintf(\"%20000000s\", \"\"); print \"ready\"; \
+                 fflush(); system(\"sleep 600\") }'",
+            ],
+        )
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&busy)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    let until = Instant::now() + Duration::from_secs(300);
+    while out("busy").is_empty() {
+        assert!(Instant::now() < until, "{}", ctd.log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (cpu_ns, working_set) = cri
+        .stats(&busy)
+        .unwrap_or_else(|e| panic!("ContainerStats: {e}\n{}", ctd.log()));
+    assert!(cpu_ns > 1_000_000, "{cpu_ns} ns");
+    assert!(
+        (19_000_000..200_000_000).contains(&working_set),
+        "{working_set} bytes"
+    );
+    // The sleeping container's are its own: far less memory.
+    let (_, long_set) = cri
+        .stats(&long)
+        .unwrap_or_else(|e| panic!("ContainerStats: {e}\n{}", ctd.log()));
+    assert!(long_set < 10_000_000, "{long_set} bytes");
+
+    // A container with a terminal (`tty: true`): its process runs on one, 24x80 until resized.
+    let tty = cri
+        .create_tty(
+            &pod,
+            &config,
+            "tty",
+            &[
+                "sh",
+                "-c",
+                "tty; test -t 1 && echo on a terminal; stty size",
+            ],
+        )
+        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+    cri.start(&tty)
+        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+    assert_eq!(wait(&mut cri, &tty), 0, "{}", ctd.log());
+    let lines: Vec<String> = out("tty")
+        .iter()
+        .map(|l| l.trim_end().to_string())
+        .collect();
+    assert_eq!(lines.len(), 3, "{lines:?}");
+    assert!(lines[0].starts_with("/dev/pts/"), "{lines:?}");
+    assert_eq!(lines[1..], ["on a terminal", "24 80"], "{lines:?}");
 
     // A command that is not there fails that container, and only it.
     let missing = cri

@@ -340,6 +340,30 @@ impl Cri {
         command: &[&str],
         mounts: &[(&Path, &str)],
     ) -> Result<String, tonic::Status> {
+        self.create_with(pod, pod_config, name, command, mounts, false)
+    }
+
+    /// [`Cri::create`] with a terminal (`tty: true` in a pod spec): its output all comes as
+    /// stdout in its log.
+    pub fn create_tty(
+        &mut self,
+        pod: &str,
+        pod_config: &api::PodSandboxConfig,
+        name: &str,
+        command: &[&str],
+    ) -> Result<String, tonic::Status> {
+        self.create_with(pod, pod_config, name, command, &[], true)
+    }
+
+    fn create_with(
+        &mut self,
+        pod: &str,
+        pod_config: &api::PodSandboxConfig,
+        name: &str,
+        command: &[&str],
+        mounts: &[(&Path, &str)],
+        tty: bool,
+    ) -> Result<String, tonic::Status> {
         let req = api::CreateContainerRequest {
             pod_sandbox_id: pod.into(),
             config: Some(api::ContainerConfig {
@@ -361,6 +385,7 @@ impl Cri {
                     })
                     .collect(),
                 log_path: format!("{name}.log"),
+                tty,
                 ..Default::default()
             }),
             sandbox_config: Some(pod_config.clone()),
@@ -434,6 +459,27 @@ impl Cri {
                     String::from_utf8_lossy(&r.stderr).into_owned(),
                 )
             })
+    }
+
+    /// ContainerStats: (CPU time in ns, working set in bytes).
+    pub fn stats(&mut self, id: &str) -> Result<(u64, u64), tonic::Status> {
+        let req = api::ContainerStatsRequest {
+            container_id: id.into(),
+        };
+        self.call("ContainerStats", |mut c| async move {
+            c.container_stats(req).await
+        })
+        .map(|r| {
+            let s = r.stats.unwrap_or_default();
+            (
+                s.cpu
+                    .and_then(|c| c.usage_core_nano_seconds)
+                    .map_or(0, |v| v.value),
+                s.memory
+                    .and_then(|m| m.working_set_bytes)
+                    .map_or(0, |v| v.value),
+            )
+        })
     }
 
     /// StopContainer: SIGTERM (the image's stop signal), SIGKILL after `timeout_s`.

@@ -143,6 +143,9 @@ struct Task {
     pid: u32,
     state: State,
     exit: Option<(u32, Timestamp)>,
+    /// With a terminal: the master of the host pseudo-terminal `amvm exec -t` runs on
+    /// (ResizePty sets its window size; `amvm exec` passes it on into the guest).
+    pty: Option<Arc<std::fs::File>>,
 }
 
 impl Task {
@@ -153,6 +156,7 @@ impl Task {
             pid: 0,
             state: State::Created,
             exit: None,
+            pty: None,
         }
     }
 }
@@ -317,6 +321,81 @@ fn remove_empty_dirs(dir: &Path) {
     }
 }
 
+/// In the child, before exec: a session of its own whose controlling terminal is its stdin
+/// (the pseudo-terminal's slave).
+fn controlling_tty() -> std::io::Result<()> {
+    // SAFETY: setsid(2) takes nothing.
+    if unsafe { libc::setsid() } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: ioctl(2) TIOCSCTTY on fd 0 with an integer argument.
+    if unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A pseudo-terminal pair (master, slave), 24x80 until ResizePty says otherwise.
+fn open_pty() -> std::io::Result<(std::fs::File, std::fs::File)> {
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (-1, -1);
+    let size = libc::winsize {
+        ws_row: 24,
+        ws_col: 80,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    // SAFETY: openpty(3) writes two descriptors into our locals; no name buffer, termios
+    // default, the window size read from a local.
+    let r = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &size,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the descriptor was just opened for us and is owned by nothing else.
+    let master = unsafe { std::fs::File::from_raw_fd(master) };
+    // SAFETY: as above.
+    let slave = unsafe { std::fs::File::from_raw_fd(slave) };
+    let pair = (master, slave);
+    for f in [&pair.0, &pair.1] {
+        // SAFETY: fcntl(2) setting close-on-exec on a descriptor we own.
+        unsafe {
+            libc::fcntl(
+                std::os::fd::AsRawFd::as_raw_fd(f),
+                libc::F_SETFD,
+                libc::FD_CLOEXEC,
+            )
+        };
+    }
+    Ok(pair)
+}
+
+/// Copy a terminal's output to containerd's FIFO (none: drop it) until the terminal's last
+/// user is gone (the master then reads EIO).
+fn copy_out(mut from: std::fs::File, mut to: Option<std::fs::File>) {
+    use std::io::{Read, Write};
+    let mut buf = [0u8; 16 * 1024];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if let Some(t) = to.as_mut() {
+                    if t.write_all(&buf[..n]).is_err() {
+                        to = None;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Open a FIFO containerd gave for writing (it holds the reading end open already).
 fn open_out(path: &str) -> Result<Stdio, String> {
     if path.is_empty() {
@@ -446,9 +525,6 @@ impl Service {
             )
         };
         let (p, stdio) = task;
-        if p.terminal {
-            return Err("a terminal is not supported by this shim yet".into());
-        }
         if p.args.is_empty() {
             return Err("the process has no args".into());
         }
@@ -463,14 +539,63 @@ impl Service {
         if !stdio[0].is_empty() {
             cmd.arg("-i");
         }
+        if p.terminal {
+            cmd.arg("-t");
+        }
         for e in &p.env {
             cmd.args(["-e", e]);
         }
         cmd.arg(&pod).arg("--").args(&p.args);
-        cmd.stdin(open_in(&stdio[0])?)
-            .stdout(open_out(&stdio[1])?)
-            .stderr(open_out(&stdio[2])?);
+        let master = if p.terminal {
+            // `amvm exec -t` on a host pseudo-terminal of its own (its controlling terminal, so a
+            // window size set on the master reaches it as SIGWINCH); containerd's FIFOs are
+            // copied to and from the master.
+            let (master, slave) = open_pty().map_err(|e| format!("a pseudo-terminal: {e}"))?;
+            let dup = |f: &std::fs::File| f.try_clone().map_err(|e| format!("the terminal: {e}"));
+            cmd.stdin(Stdio::from(dup(&slave)?))
+                .stdout(Stdio::from(dup(&slave)?))
+                .stderr(Stdio::from(slave));
+            // SAFETY: the hook runs between fork and exec and makes only async-signal-safe
+            // system calls (below) with no memory of ours.
+            unsafe { std::os::unix::process::CommandExt::pre_exec(&mut cmd, controlling_tty) };
+            Some(Arc::new(master))
+        } else {
+            cmd.stdin(open_in(&stdio[0])?)
+                .stdout(open_out(&stdio[1])?)
+                .stderr(open_out(&stdio[2])?);
+            None
+        };
         let child = cmd.spawn().map_err(|e| format!("amvm exec: {e}"))?;
+        // Our copies of the terminal's slave end go with `cmd`: the master sees EOF (EIO) when
+        // the process is gone.
+        drop(cmd);
+        if let Some(m) = &master {
+            let out = if stdio[1].is_empty() {
+                None
+            } else {
+                Some(
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(&stdio[1])
+                        .map_err(|e| format!("{}: {e}", stdio[1]))?,
+                )
+            };
+            let from = m.try_clone().map_err(|e| format!("the terminal: {e}"))?;
+            std::thread::spawn(move || copy_out(from, out));
+            if !stdio[0].is_empty() {
+                let input =
+                    std::fs::File::open(&stdio[0]).map_err(|e| format!("{}: {e}", stdio[0]))?;
+                let to = m.try_clone().map_err(|e| format!("the terminal: {e}"))?;
+                std::thread::spawn(move || {
+                    let (mut input, mut to) = (input, to);
+                    let _ = std::io::copy(&mut input, &mut to);
+                });
+            }
+            let mut inner = self.lock();
+            if let Some(t) = task_mut(&mut inner, id, exec_id) {
+                t.pty = master.clone();
+            }
+        }
         Ok(self.watch(id, exec_id, child))
     }
 
@@ -660,12 +785,8 @@ impl shim::Task for Service {
                 )
             })?
         };
-        if req.terminal {
-            return Err(err(
-                ttrpc::Code::UNIMPLEMENTED,
-                "a terminal is not supported by this shim yet",
-            ));
-        }
+        let mut process = spec.process;
+        process.terminal |= req.terminal;
         {
             let mut inner = self.lock();
             if inner.containers.contains_key(&req.id) {
@@ -681,7 +802,7 @@ impl shim::Task for Service {
                     is_sandbox,
                     pod,
                     root: None,
-                    init: Task::new(spec.process, &req.stdin, &req.stdout, &req.stderr),
+                    init: Task::new(process, &req.stdin, &req.stdout, &req.stderr),
                     execs: HashMap::new(),
                 },
             );
@@ -852,18 +973,13 @@ impl shim::Task for Service {
     }
 
     fn exec(&self, _ctx: &TtrpcContext, req: api::ExecProcessRequest) -> TtrpcResult<api::Empty> {
-        let process: Process = serde_json::from_slice(&req.spec.value).map_err(|e| {
+        let mut process: Process = serde_json::from_slice(&req.spec.value).map_err(|e| {
             err(
                 ttrpc::Code::INVALID_ARGUMENT,
                 format!("the exec's process: {e}"),
             )
         })?;
-        if req.terminal || process.terminal {
-            return Err(err(
-                ttrpc::Code::UNIMPLEMENTED,
-                "a terminal is not supported by this shim yet",
-            ));
-        }
+        process.terminal |= req.terminal;
         {
             let mut inner = self.lock();
             let c = inner
@@ -1002,6 +1118,100 @@ impl shim::Task for Service {
         })
     }
 
+    fn stats(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::StatsRequest,
+    ) -> TtrpcResult<api::StatsResponse> {
+        let (pod, root) = {
+            let inner = self.lock();
+            let c = inner
+                .containers
+                .get(&req.id)
+                .ok_or_else(|| not_found(&req.id))?;
+            let pod = inner.pods.get(&c.pod).ok_or_else(|| {
+                err(
+                    ttrpc::Code::FAILED_PRECONDITION,
+                    "the pod's VM is not running",
+                )
+            })?;
+            let root = c
+                .root
+                .as_ref()
+                .and_then(|r| r.strip_prefix(&pod.dir).ok())
+                .map(|r| format!("{POD_IN_GUEST}/{}", r.display()));
+            (pod.name.clone(), root)
+        };
+        let Some(root) = root else {
+            return Err(err(
+                ttrpc::Code::FAILED_PRECONDITION,
+                format!("{} has no processes of its own (a pod's sandbox)", req.id),
+            ));
+        };
+        let out = amvm(&[
+            "exec",
+            "--user",
+            "0:0",
+            "-w",
+            "/",
+            &pod,
+            "--",
+            "sh",
+            "-c",
+            STATS_SCRIPT,
+            "stats",
+            &root,
+        ])
+        .map_err(|e| err(ttrpc::Code::UNKNOWN, e))?;
+        let m = metrics(&out).map_err(|e| err(ttrpc::Code::UNKNOWN, e))?;
+        let any = shim::protos::protobuf::well_known_types::any::Any {
+            type_url: "io.containerd.cgroups.v1.Metrics".into(),
+            value: shim::protos::protobuf::Message::write_to_bytes(&m)
+                .map_err(|e| err(ttrpc::Code::UNKNOWN, e.to_string()))?,
+            ..Default::default()
+        };
+        Ok(api::StatsResponse {
+            stats: MessageField::some(any),
+            ..Default::default()
+        })
+    }
+
+    fn resize_pty(
+        &self,
+        _ctx: &TtrpcContext,
+        req: api::ResizePtyRequest,
+    ) -> TtrpcResult<api::Empty> {
+        let mut inner = self.lock();
+        let t = task_mut(&mut inner, &req.id, &req.exec_id).ok_or_else(|| not_found(&req.id))?;
+        let Some(master) = &t.pty else {
+            return Err(err(
+                ttrpc::Code::FAILED_PRECONDITION,
+                format!("{} has no terminal", req.id),
+            ));
+        };
+        let size = libc::winsize {
+            ws_row: req.height.min(u32::from(u16::MAX)) as u16,
+            ws_col: req.width.min(u32::from(u16::MAX)) as u16,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        // SAFETY: TIOCSWINSZ on a terminal master we own, reading a local winsize.
+        let r = unsafe {
+            libc::ioctl(
+                std::os::fd::AsRawFd::as_raw_fd(master.as_ref()),
+                libc::TIOCSWINSZ,
+                &size,
+            )
+        };
+        if r != 0 {
+            return Err(err(
+                ttrpc::Code::UNKNOWN,
+                format!("resizing {}: {}", req.id, std::io::Error::last_os_error()),
+            ));
+        }
+        Ok(api::Empty::default())
+    }
+
     fn close_io(&self, _ctx: &TtrpcContext, _req: api::CloseIORequest) -> TtrpcResult<api::Empty> {
         Ok(api::Empty::default())
     }
@@ -1027,6 +1237,56 @@ impl shim::Task for Service {
         }
         Ok(api::Empty::default())
     }
+}
+
+/// Run in the pod's VM as `sh -c SCRIPT stats ROOT`: over the processes chrooted into ROOT (the
+/// container's), their resident memory, and the CPU time of the cgroup guest-init made for
+/// their exec, as `KEY VALUE` lines.
+const STATS_SCRIPT: &str = r#"
+root=$1 cg= pages=0
+for p in /proc/[0-9]*; do
+  [ "$(readlink "$p/root" 2>/dev/null)" = "$root" ] || continue
+  [ -n "$cg" ] || cg=$(sed -n 's/^0:://p' "$p/cgroup" 2>/dev/null)
+  set -- $(cat "$p/statm" 2>/dev/null)
+  pages=$((pages + ${2:-0}))
+done
+[ -n "$cg" ] || { echo "no process of the container is running" >&2; exit 1; }
+sed -n 's/^usage_usec /usage_usec /p' "/sys/fs/cgroup$cg/cpu.stat"
+echo "rss_bytes $((pages * 4096))"
+"#;
+
+/// cgroup v1's Metrics (what containerd's CRI plugin reads a container's CPU and memory from)
+/// out of [`STATS_SCRIPT`]'s lines: CPU time, and resident memory as the usage (no page cache:
+/// the working set the CRI plugin reports is that).
+fn metrics(out: &str) -> Result<shim::protos::cgroups::metrics::Metrics, String> {
+    use shim::protos::cgroups::metrics::{CPUStat, CPUUsage, MemoryEntry, MemoryStat, Metrics};
+    let get = |k: &str| -> Result<u64, String> {
+        out.lines()
+            .find_map(|l| l.strip_prefix(k)?.strip_prefix(' ')?.trim().parse().ok())
+            .ok_or_else(|| format!("the guest's stats lack {k}: {out:?}"))
+    };
+    let cpu = CPUStat {
+        usage: MessageField::some(CPUUsage {
+            total: get("usage_usec")?.saturating_mul(1000),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let rss = get("rss_bytes")?;
+    let memory = MemoryStat {
+        usage: MessageField::some(MemoryEntry {
+            usage: rss,
+            ..Default::default()
+        }),
+        rss,
+        total_rss: rss,
+        ..Default::default()
+    };
+    Ok(Metrics {
+        cpu: MessageField::some(cpu),
+        memory: MessageField::some(memory),
+        ..Default::default()
+    })
 }
 
 /// The amvm sandbox of the pod whose sandbox container is `id`: `pod-` and its first 12
@@ -1062,6 +1322,19 @@ fn main() {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_guests_cgroup_figures_become_cgroup_v1_metrics() {
+        let m = metrics("usage_usec 1500\nrss_bytes 4096000\n").unwrap();
+        assert_eq!(m.cpu.usage.total, 1_500_000);
+        assert_eq!(m.memory.usage.usage, 4_096_000);
+        assert_eq!(m.memory.total_rss, 4_096_000);
+        assert_eq!(m.memory.total_inactive_file, 0);
+        assert!(metrics("usage_usec 1\n")
+            .unwrap_err()
+            .contains("stats lack"));
+        assert!(metrics("usage_usec x\nrss_bytes 1").is_err());
+    }
 
     #[test]
     fn a_pods_resources_size_its_vm() {
