@@ -7,7 +7,7 @@
 //! amvm-runc as its runtime binary (each container of a pod, its sandbox container too, a
 //! microVM of its own).
 
-use amvm_tests::cri::{log_lines, pod_config, Containerd};
+use amvm_tests::cri::{log_lines, pod_config, Containerd, OrLog};
 use amvm_tests::{amvm_bin, leftovers, require_kvm, run_vm};
 use std::time::{Duration, Instant};
 
@@ -60,7 +60,7 @@ fn a_pod_runs_through_the_runc_shim_with_amvm_runc_a_vm_per_container() {
     let config = pod_config("pod", &logs, &[]);
     let pod = cri
         .run_pod(&config, "amvm-runc")
-        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "RunPodSandbox");
 
     let once = cri
         .create(
@@ -73,9 +73,8 @@ fn a_pod_runs_through_the_runc_shim_with_amvm_runc_a_vm_per_container() {
                 "echo to stdout; echo to stderr >&2; uname -r; exit 3",
             ],
         )
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&once)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&once).or_log(&ctd, "StartContainer");
     let code = cri
         .wait_exited(&once, Duration::from_secs(300))
         .unwrap_or_else(|s| panic!("not exited: {s:?}\n{}", ctd.log()));
@@ -97,9 +96,8 @@ fn a_pod_runs_through_the_runc_shim_with_amvm_runc_a_vm_per_container() {
 
     let long = cri
         .create(&pod, &config, "long", &["sleep", "600"])
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&long)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&long).or_log(&ctd, "StartContainer");
     let (code, out, err) = cri
         .exec_sync(
             &long,
@@ -110,7 +108,7 @@ fn a_pod_runs_through_the_runc_shim_with_amvm_runc_a_vm_per_container() {
             ],
             300,
         )
-        .unwrap_or_else(|e| panic!("ExecSync: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "ExecSync");
     assert_eq!(code, 4, "{out} {err}");
     assert_eq!(out, format!("in the container\n{kernel}\n"));
     assert_eq!(err, "oops\n");
@@ -118,9 +116,8 @@ fn a_pod_runs_through_the_runc_shim_with_amvm_runc_a_vm_per_container() {
     // A command that is not there: the container fails, saying why.
     let missing = cri
         .create(&pod, &config, "missing", &["/no/such/command"])
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&missing)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&missing).or_log(&ctd, "StartContainer");
     let code = cri
         .wait_exited(&missing, Duration::from_secs(300))
         .unwrap_or_else(|s| panic!("not exited: {s:?}\n{}", ctd.log()));
@@ -134,16 +131,14 @@ fn a_pod_runs_through_the_runc_shim_with_amvm_runc_a_vm_per_container() {
         "{lines:?}"
     );
 
-    cri.stop_pod(&pod)
-        .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", ctd.log()));
+    cri.stop_pod(&pod).or_log(&ctd, "StopPodSandbox");
     let s = cri.status(&long);
     assert_eq!(
         s.state,
         k8s_cri::v1::ContainerState::ContainerExited as i32,
         "{s:?}"
     );
-    cri.remove_pod(&pod)
-        .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", ctd.log()));
+    cri.remove_pod(&pod).or_log(&ctd, "RemovePodSandbox");
     assert!(cri.pods().is_empty());
     nothing_left_of(&ctd.base);
 }
@@ -175,14 +170,11 @@ fn a_pods_egress_annotation_gives_its_containers_the_egress() {
     ] {
         let logs = ctd.base.join("logs").join(name);
         let config = pod_config(name, &logs, &annotations);
-        let pod = cri
-            .run_pod(&config, handler)
-            .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
+        let pod = cri.run_pod(&config, handler).or_log(&ctd, "RunPodSandbox");
         let c = cri
             .create(&pod, &config, "fetch", &fetch)
-            .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-        cri.start(&c)
-            .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+            .or_log(&ctd, "CreateContainer");
+        cri.start(&c).or_log(&ctd, "StartContainer");
         let code = cri
             .wait_exited(&c, Duration::from_secs(300))
             .unwrap_or_else(|s| panic!("not exited: {s:?}\n{}", ctd.log()));
@@ -205,10 +197,8 @@ fn a_pods_egress_annotation_gives_its_containers_the_egress() {
                 "{lines:?}"
             );
         }
-        cri.stop_pod(&pod)
-            .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", ctd.log()));
-        cri.remove_pod(&pod)
-            .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", ctd.log()));
+        cri.stop_pod(&pod).or_log(&ctd, "StopPodSandbox");
+        cri.remove_pod(&pod).or_log(&ctd, "RemovePodSandbox");
     }
     nothing_left_of(&ctd.base);
 }
@@ -231,13 +221,7 @@ fn exec_root_runs_commands_in_roots_mounted_on_the_host_after_the_vm_started() {
                 .args(["rm", "-f", "roots"])
                 .env("XDG_RUNTIME_DIR", &self.xdg)
                 .output();
-            let _ = std::process::Command::new("sh")
-                .arg("-c")
-                .arg(format!(
-                    "grep -o ' {}[^ ]*' /proc/mounts | sort -r | xargs -r -n1 umount -l",
-                    self.base.display()
-                ))
-                .status();
+            amvm_tests::cri::unmount_all_under(&self.base);
             let _ = std::fs::remove_dir_all(&self.base);
         }
     }
@@ -353,9 +337,7 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
     let mut cri = ctd.client();
     let logs = ctd.base.join("logs/pod");
     let config = pod_config("pod", &logs, &[]);
-    let pod = cri
-        .run_pod(&config, "amvm")
-        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
+    let pod = cri.run_pod(&config, "amvm").or_log(&ctd, "RunPodSandbox");
     let empty = ctd.base.join("emptydir");
     std::fs::create_dir_all(&empty).unwrap();
     let mounts = [(empty.as_path(), "/shared")];
@@ -372,7 +354,7 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
             ],
             &mounts,
         )
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
     let client = cri
         .create_mounting(
             &pod,
@@ -388,10 +370,9 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
             ],
             &mounts,
         )
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
     for c in [&server, &client] {
-        cri.start(c)
-            .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        cri.start(c).or_log(&ctd, "StartContainer");
     }
     let wait = |cri: &mut amvm_tests::cri::Cri, id: &str| {
         cri.wait_exited(id, Duration::from_secs(300))
@@ -405,6 +386,18 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
             .filter(|(s, _)| s == "stdout")
             .map(|(_, l)| l)
             .collect()
+    };
+    // Waits until a running container has written its first line.
+    let first_output = |name: &str| {
+        let until = Instant::now() + Duration::from_secs(300);
+        while out(name).is_empty() {
+            assert!(
+                Instant::now() < until,
+                "no output from {name}: {}",
+                ctd.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     };
     let (s, c) = (out("server"), out("client"));
     assert_eq!(s.len(), 2, "{s:?}");
@@ -421,9 +414,8 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
     // ExecSync into a running container, on the same kernel.
     let long = cri
         .create(&pod, &config, "long", &["sleep", "600"])
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&long)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&long).or_log(&ctd, "StartContainer");
     let (code, stdout, stderr) = cri
         .exec_sync(
             &long,
@@ -434,7 +426,7 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
             ],
             300,
         )
-        .unwrap_or_else(|e| panic!("ExecSync: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "ExecSync");
     assert_eq!(
         (code, stdout.trim(), stderr.as_str()),
         (4, s[0].as_str(), "oops\n")
@@ -446,7 +438,7 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
             &["sh", "-c", "nproc; grep MemTotal /proc/meminfo"],
             300,
         )
-        .unwrap_or_else(|e| panic!("ExecSync: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "ExecSync");
     assert_eq!(code, 0);
     let (cpus, mem) = size_of(&stdout);
     assert_eq!(cpus, 1, "{stdout}");
@@ -464,16 +456,10 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
                 "trap 'echo got TERM; exit 7' TERM; echo waiting; while :; do sleep 1; done",
             ],
         )
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&trap)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
-    let until = Instant::now() + Duration::from_secs(300);
-    while out("trap").is_empty() {
-        assert!(Instant::now() < until, "{}", ctd.log());
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    cri.stop(&trap, 60)
-        .unwrap_or_else(|e| panic!("StopContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&trap).or_log(&ctd, "StartContainer");
+    first_output("trap");
+    cri.stop(&trap, 60).or_log(&ctd, "StopContainer");
     assert_eq!(wait(&mut cri, &trap), 7, "{}", ctd.log());
     assert_eq!(out("trap"), ["waiting", "got TERM"]);
 
@@ -491,26 +477,17 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
                  fflush(); system(\"sleep 600\") }'",
             ],
         )
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&busy)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
-    let until = Instant::now() + Duration::from_secs(300);
-    while out("busy").is_empty() {
-        assert!(Instant::now() < until, "{}", ctd.log());
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let (cpu_ns, working_set) = cri
-        .stats(&busy)
-        .unwrap_or_else(|e| panic!("ContainerStats: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&busy).or_log(&ctd, "StartContainer");
+    first_output("busy");
+    let (cpu_ns, working_set) = cri.stats(&busy).or_log(&ctd, "ContainerStats");
     assert!(cpu_ns > 1_000_000, "{cpu_ns} ns");
     assert!(
         (19_000_000..200_000_000).contains(&working_set),
         "{working_set} bytes"
     );
     // The sleeping container's are its own: far less memory.
-    let (_, long_set) = cri
-        .stats(&long)
-        .unwrap_or_else(|e| panic!("ContainerStats: {e}\n{}", ctd.log()));
+    let (_, long_set) = cri.stats(&long).or_log(&ctd, "ContainerStats");
     assert!(long_set < 10_000_000, "{long_set} bytes");
 
     // A container with a terminal (`tty: true`): its process runs on one, 24x80 until resized.
@@ -525,9 +502,8 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
                 "tty; test -t 1 && echo on a terminal; stty size",
             ],
         )
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&tty)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&tty).or_log(&ctd, "StartContainer");
     assert_eq!(wait(&mut cri, &tty), 0, "{}", ctd.log());
     let lines: Vec<String> = out("tty")
         .iter()
@@ -540,9 +516,8 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
     // A command that is not there fails that container, and only it.
     let missing = cri
         .create(&pod, &config, "missing", &["/no/such/command"])
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&missing)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&missing).or_log(&ctd, "StartContainer");
     assert_eq!(wait(&mut cri, &missing), 127, "{}", ctd.log());
     let lines = log_lines(&logs.join("missing.log"));
     assert!(
@@ -569,9 +544,7 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
         cpu_period: 100_000,
         ..Default::default()
     });
-    let other = cri
-        .run_pod(&config2, "amvm")
-        .unwrap_or_else(|e| panic!("RunPodSandbox: {e}\n{}", ctd.log()));
+    let other = cri.run_pod(&config2, "amvm").or_log(&ctd, "RunPodSandbox");
     let one = cri
         .create(
             &other,
@@ -583,9 +556,8 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
                 "cat /proc/sys/kernel/random/boot_id; nproc; grep MemTotal /proc/meminfo",
             ],
         )
-        .unwrap_or_else(|e| panic!("CreateContainer: {e}\n{}", ctd.log()));
-    cri.start(&one)
-        .unwrap_or_else(|e| panic!("StartContainer: {e}\n{}", ctd.log()));
+        .or_log(&ctd, "CreateContainer");
+    cri.start(&one).or_log(&ctd, "StartContainer");
     assert_eq!(wait(&mut cri, &one), 0, "{}", ctd.log());
     let o = log_lines(&logs2.join("one.log"));
     assert_eq!(o.len(), 3, "{o:?}");
@@ -596,8 +568,7 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
     assert!((256..=320).contains(&mem), "{o:?}");
 
     for p in [&pod, &other] {
-        cri.stop_pod(p)
-            .unwrap_or_else(|e| panic!("StopPodSandbox: {e}\n{}", ctd.log()));
+        cri.stop_pod(p).or_log(&ctd, "StopPodSandbox");
     }
     let s = cri.status(&long);
     assert_eq!(
@@ -606,8 +577,7 @@ fn a_pod_is_one_microvm_whose_containers_share_localhost_and_an_emptydir() {
         "{s:?}"
     );
     for p in [&pod, &other] {
-        cri.remove_pod(p)
-            .unwrap_or_else(|e| panic!("RemovePodSandbox: {e}\n{}", ctd.log()));
+        cri.remove_pod(p).or_log(&ctd, "RemovePodSandbox");
     }
     assert!(cri.pods().is_empty());
     nothing_left_of(&ctd.base);

@@ -173,15 +173,33 @@ impl Drop for Containerd {
         let _ = self.daemon.kill();
         let _ = self.daemon.wait();
         // Whatever containerd mounted under its root (snapshots, the sandboxes' /dev/shm).
-        let _ = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "grep -o ' {}[^ ]*' /proc/mounts | sort -r | xargs -r -n1 umount -l",
-                self.base.display()
-            ))
-            .status();
+        unmount_all_under(&self.base);
         let _ = std::fs::remove_dir_all(&self.base);
     }
+}
+
+/// A CRI call's result or the test's failure, with containerd's log (what it said about it).
+pub trait OrLog<T> {
+    fn or_log(self, ctd: &Containerd, what: &str) -> T;
+}
+
+impl<T, E: std::fmt::Display> OrLog<T> for Result<T, E> {
+    #[track_caller]
+    fn or_log(self, ctd: &Containerd, what: &str) -> T {
+        self.unwrap_or_else(|e| panic!("{what}: {e}\n{}", ctd.log()))
+    }
+}
+
+/// Lazily unmounts every mount at or below `base`, deepest first (a test's clean-up: errors
+/// are ignored, what stays is found by the next run's checks).
+pub fn unmount_all_under(base: &Path) {
+    let _ = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "grep -o ' {}[^ ]*' /proc/mounts | sort -r | xargs -r -n1 umount -l",
+            base.display()
+        ))
+        .status();
 }
 
 /// A docker-archive (what `docker save` writes) of busybox at `dir/rootfs`: one layer, a
