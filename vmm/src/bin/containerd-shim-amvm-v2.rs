@@ -514,15 +514,8 @@ impl Service {
             } else {
                 c.execs.get(exec_id).ok_or("no such exec")?
             };
-            let root = c.root.as_ref().ok_or("the container has no root")?;
-            let rel = root
-                .strip_prefix(&pod.dir)
-                .map_err(|_| "a root outside the pod")?;
-            (
-                pod.name.clone(),
-                format!("{POD_IN_GUEST}/{}", rel.display()),
-                (t.process.clone(), t.stdio.clone()),
-            )
+            let root = guest_root(c, pod).ok_or("the container has no root in the pod")?;
+            (pod.name.clone(), root, (t.process.clone(), t.stdio.clone()))
         };
         let (p, stdio) = task;
         if p.args.is_empty() {
@@ -709,6 +702,18 @@ impl Service {
     }
 }
 
+/// A container's root as the pod's VM sees it (under [`POD_IN_GUEST`]); none for the pod's
+/// sandbox or a root outside the pod's directory.
+fn guest_root(c: &Container, pod: &Pod) -> Option<String> {
+    let rel = c.root.as_ref()?.strip_prefix(&pod.dir).ok()?;
+    Some(format!("{POD_IN_GUEST}/{}", rel.display()))
+}
+
+/// The container `id`, or containerd's NOT_FOUND.
+fn container<'a>(inner: &'a Inner, id: &str) -> Result<&'a Container, ttrpc::Error> {
+    inner.containers.get(id).ok_or_else(|| not_found(id))
+}
+
 fn task_mut<'a>(inner: &'a mut Inner, id: &str, exec_id: &str) -> Option<&'a mut Task> {
     let c = inner.containers.get_mut(id)?;
     if exec_id.is_empty() {
@@ -848,10 +853,7 @@ impl shim::Task for Service {
     ) -> TtrpcResult<api::StartResponse> {
         let (is_sandbox, pid) = {
             let mut inner = self.lock();
-            let c = inner
-                .containers
-                .get(&req.id)
-                .ok_or_else(|| not_found(&req.id))?;
+            let c = container(&inner, &req.id)?;
             let is_sandbox = c.is_sandbox;
             let t = task_mut(&mut inner, &req.id, &req.exec_id)
                 .ok_or_else(|| not_found(&req.exec_id))?;
@@ -902,11 +904,7 @@ impl shim::Task for Service {
         req: api::StateRequest,
     ) -> TtrpcResult<api::StateResponse> {
         let mut inner = self.lock();
-        let bundle = inner
-            .containers
-            .get(&req.id)
-            .map(|c| c.bundle.display().to_string())
-            .ok_or_else(|| not_found(&req.id))?;
+        let bundle = container(&inner, &req.id)?.bundle.display().to_string();
         let t =
             task_mut(&mut inner, &req.id, &req.exec_id).ok_or_else(|| not_found(&req.exec_id))?;
         let status = match t.state {
@@ -932,10 +930,7 @@ impl shim::Task for Service {
     fn kill(&self, _ctx: &TtrpcContext, req: api::KillRequest) -> TtrpcResult<api::Empty> {
         let (pid, state, pod) = {
             let mut inner = self.lock();
-            let c = inner
-                .containers
-                .get(&req.id)
-                .ok_or_else(|| not_found(&req.id))?;
+            let c = container(&inner, &req.id)?;
             let pod = (c.is_sandbox && req.exec_id.is_empty())
                 .then(|| inner.pods.get(&req.id).map(|p| p.name.clone()))
                 .flatten();
@@ -1047,10 +1042,7 @@ impl shim::Task for Service {
                 ..Default::default()
             });
         }
-        let c = inner
-            .containers
-            .get(&req.id)
-            .ok_or_else(|| not_found(&req.id))?;
+        let c = container(&inner, &req.id)?;
         if c.init.state == State::Running {
             return Err(err(
                 ttrpc::Code::FAILED_PRECONDITION,
@@ -1100,10 +1092,7 @@ impl shim::Task for Service {
 
     fn pids(&self, _ctx: &TtrpcContext, req: api::PidsRequest) -> TtrpcResult<api::PidsResponse> {
         let inner = self.lock();
-        let c = inner
-            .containers
-            .get(&req.id)
-            .ok_or_else(|| not_found(&req.id))?;
+        let c = container(&inner, &req.id)?;
         let processes = std::iter::once(&c.init)
             .chain(c.execs.values())
             .filter(|t| t.state == State::Running)
@@ -1125,22 +1114,14 @@ impl shim::Task for Service {
     ) -> TtrpcResult<api::StatsResponse> {
         let (pod, root) = {
             let inner = self.lock();
-            let c = inner
-                .containers
-                .get(&req.id)
-                .ok_or_else(|| not_found(&req.id))?;
+            let c = container(&inner, &req.id)?;
             let pod = inner.pods.get(&c.pod).ok_or_else(|| {
                 err(
                     ttrpc::Code::FAILED_PRECONDITION,
                     "the pod's VM is not running",
                 )
             })?;
-            let root = c
-                .root
-                .as_ref()
-                .and_then(|r| r.strip_prefix(&pod.dir).ok())
-                .map(|r| format!("{POD_IN_GUEST}/{}", r.display()));
-            (pod.name.clone(), root)
+            (pod.name.clone(), guest_root(c, pod))
         };
         let Some(root) = root else {
             return Err(err(
