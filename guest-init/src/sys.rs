@@ -127,3 +127,57 @@ pub fn reseed_rng(bytes: &[u8]) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// A signal set holding SIGCHLD alone.
+fn sigchld_set() -> libc::sigset_t {
+    let mut set = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+    // SAFETY: sigemptyset initialises the set it is given.
+    unsafe { libc::sigemptyset(set.as_mut_ptr()) };
+    // SAFETY: the set was initialised just above.
+    let mut set = unsafe { set.assume_init() };
+    // SAFETY: sigaddset on an initialised set with a valid signal number.
+    unsafe { libc::sigaddset(&mut set, libc::SIGCHLD) };
+    set
+}
+
+/// Blocks SIGCHLD in the calling thread and so in every thread it starts later (call it before
+/// any): PID 1 then learns that children ended from [`sigchld_fd`] instead of waking up on a
+/// timer, and an idle guest sleeps. Processes it starts get an empty mask (std's spawn resets
+/// it), as they would from any init.
+pub fn block_sigchld() -> io::Result<()> {
+    let set = sigchld_set();
+    // SAFETY: pthread_sigmask reads a valid set; no old set is asked for.
+    let r = unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut()) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}
+
+/// A signalfd that is readable while a SIGCHLD (blocked by [`block_sigchld`]) is pending;
+/// [`drain_signals`] empties it.
+pub fn sigchld_fd() -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    let set = sigchld_set();
+    // SAFETY: signalfd(2) reads a valid set and makes a new descriptor.
+    let fd = unsafe { libc::signalfd(-1, &set, libc::SFD_NONBLOCK | libc::SFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just made and is owned by nobody else.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+/// Reads every pending signal off a non-blocking signalfd (they are only a wake-up: the caller
+/// reaps with waitpid, which sees every ended child however many signals were merged).
+pub fn drain_signals(fd: &std::os::fd::OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let mut buf = [0u8; 16 * std::mem::size_of::<libc::signalfd_siginfo>()];
+    loop {
+        // SAFETY: read(2) into a buffer of ours of the length given.
+        let n = unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        if n <= 0 {
+            return;
+        }
+    }
+}
