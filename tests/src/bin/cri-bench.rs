@@ -69,6 +69,22 @@ fn pss_mib(pids: &[u32]) -> f64 {
     kib as f64 / 1024.0
 }
 
+/// The CPU time `pids` have used so far, user and system (guest time included), in seconds.
+fn cpu_secs(pids: &[u32]) -> f64 {
+    // SAFETY: sysconf reads a constant of the system; no memory is touched.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let ticks: u64 = pids
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
+        .filter_map(|stat| {
+            // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
+            let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+            Some(rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?)
+        })
+        .sum();
+    ticks as f64 / hz
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let opt = |name: &str| {
@@ -84,7 +100,8 @@ fn main() {
     let mut cri = ctd.client();
     let mut rows: Vec<(&str, Vec<f64>)> = Vec::new();
     for handler in ["runc", "amvm", "amvm-runc"] {
-        let (mut start, mut exec, mut stop, mut mem) = (vec![], vec![], vec![], vec![]);
+        let (mut start, mut exec, mut stop, mut mem, mut idle) =
+            (vec![], vec![], vec![], vec![], vec![]);
         for i in 0..runs {
             let name = format!("{handler}-{i}");
             let logs = ctd.base.join("logs").join(&name);
@@ -116,7 +133,13 @@ fn main() {
             // The pod's shim and everything below it (the shim is their subreaper): for amvm
             // the VMs' supervisors, VMMs and virtiofsd, for runc the pod's processes.
             let shim = process_with(&["containerd-shim", &pod]).expect("the pod's shim");
-            mem.push(pss_mib(&tree(shim)));
+            let pids = tree(shim);
+            mem.push(pss_mib(&pids));
+            // What the running pod costs while its container sleeps: the CPU time of the same
+            // tree over a while, as thousandths of a CPU.
+            let (c0, w0) = (cpu_secs(&pids), Instant::now());
+            std::thread::sleep(Duration::from_secs(10));
+            idle.push((cpu_secs(&pids) - c0) / w0.elapsed().as_secs_f64() * 1000.0);
             let t1 = Instant::now();
             let (code, _, _) = cri.exec_sync(&c, &["true"], 300).expect("ExecSync");
             assert_eq!(code, 0);
@@ -128,7 +151,13 @@ fn main() {
         }
         rows.push((
             handler,
-            vec![median(start), median(exec), median(stop), median(mem)],
+            vec![
+                median(start),
+                median(exec),
+                median(stop),
+                median(mem),
+                median(idle),
+            ],
         ));
     }
     let what = [
@@ -136,6 +165,7 @@ fn main() {
         "ExecSync `true` into the running container",
         "StopPodSandbox + RemovePodSandbox",
         "host memory of a running pod: PSS of its shim's tree, MiB",
+        "idle CPU of a running pod: its shim's tree, millicores",
     ];
     println!("\nCRI pods through containerd, median of {runs} (seconds unless said)\n");
     println!(
@@ -148,10 +178,18 @@ fn main() {
     );
     for (i, w) in what.iter().enumerate() {
         let (r, a, o) = (rows[0].1[i], rows[1].1[i], rows[2].1[i]);
+        // A ratio to nothing (runc's idle pod can use no CPU at all) is not a number to print.
+        let ratio = |x: f64| {
+            if r > 0.0 {
+                format!("{:.2}", x / r)
+            } else {
+                "-".to_string()
+            }
+        };
         println!(
-            "| {w:<58} | {r:>8.3} | {a:>8.3} | {o:>9.3} | {:>9.2} | {:>14.2} |",
-            a / r,
-            o / r
+            "| {w:<58} | {r:>8.3} | {a:>8.3} | {o:>9.3} | {:>9} | {:>14} |",
+            ratio(a),
+            ratio(o)
         );
     }
     let (r, a) = (rows[0].1[0], rows[1].1[0]);
