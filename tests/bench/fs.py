@@ -31,12 +31,27 @@ def drop_host_cache(path):
         pass
 
 
+def shape_of(src, dst):
+    """The tree at `src` again at `dst`: its directories, symbolic links and empty files (the
+    metadata walk reads names and types, not contents)."""
+    for top, dirs, files in os.walk(src):
+        here = os.path.join(dst, os.path.relpath(top, src))
+        os.makedirs(here, exist_ok=True)
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            path = os.path.join(top, name)
+            if os.path.islink(path):
+                os.symlink(os.readlink(path), os.path.join(here, name))
+            else:
+                open(os.path.join(here, name), "w").close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--amvm", required=True)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--big", type=int, default=1 << 30)
     ap.add_argument("--small", type=int, default=10000)
+    ap.add_argument("--tree", default="/usr", help="the tree the metadata rows walk")
     a = ap.parse_args()
     d = tempfile.mkdtemp(prefix="amvm-bench-fs-")
     os.chmod(d, 0o755)  # the guest's workload is not root: it must be able to enter it
@@ -64,11 +79,39 @@ def main():
                     print(f"{name}: amvm exited {p.returncode}: {p.stderr}", file=sys.stderr)
                     return 1
                 rows[name][1].append(seconds(p.stdout))
+        # Metadata: a walk of a whole tree (names and types, a readdir per directory and a lookup
+        # per name), cold (host cache dropped, a fresh guest) then warm (the same walk again at
+        # once), over the system root's share (--cache=always) and over a workspace
+        # (--cache=auto) holding a copy of the same tree.
+        ws_tree = os.path.join(d, "tree")
+        shape_of(a.tree, ws_tree)
+        n = subprocess.run(["sh", "-c", f"find {a.tree} | wc -l"], capture_output=True, text=True).stdout.strip()
+        walks = {"system root": a.tree, "workspace": "tree"}
+        for where in walks:
+            for temp in ("cold", "warm"):
+                rows[f"find {n} entries, {where}, {temp}"] = ([], [])
+        for r in range(a.runs):
+            for where, path in walks.items():
+                walk = f"find {path} > /dev/null"
+                drop_host_cache(d)
+                p = subprocess.run(["sh", "-c", timed(walk) + "; " + timed(walk)], cwd=d,
+                                   capture_output=True, text=True, check=True)
+                host = [seconds(l) for l in p.stdout.splitlines()]
+                drop_host_cache(d)
+                p = subprocess.run([a.amvm, "run", "--workspace", d, "--timeout", "3600", "--", "sh", "-c",
+                                    timed(walk) + "; " + timed(walk)], capture_output=True, text=True)
+                if p.returncode != 0:
+                    print(f"find: amvm exited {p.returncode}: {p.stderr}", file=sys.stderr)
+                    return 1
+                guest = [seconds(l) for l in p.stdout.splitlines()]
+                for temp, h, g in zip(("cold", "warm"), host, guest):
+                    rows[f"find {n} entries, {where}, {temp}"][0].append(h)
+                    rows[f"find {n} entries, {where}, {temp}"][1].append(g)
         print(f"\nvirtio-fs benchmark: {a.runs} runs, medians (min-max), seconds")
-        print(f"{'row':28} {'host':>20} {'guest (virtio-fs)':>22} {'guest/host':>11}")
+        print(f"{'row':44} {'host':>20} {'guest (virtio-fs)':>22} {'guest/host':>11}")
         for name, (host, guest) in rows.items():
             h, g = statistics.median(host), statistics.median(guest)
-            print(f"{name:28} {h:8.3f} ({min(host):.3f}-{max(host):.3f}) {g:9.3f} ({min(guest):.3f}-{max(guest):.3f}) {g / h:11.2f}")
+            print(f"{name:44} {h:8.3f} ({min(host):.3f}-{max(host):.3f}) {g:9.3f} ({min(guest):.3f}-{max(guest):.3f}) {g / h:11.2f}")
             print(f"SUMMARY|files: {name}|{g:.3f} s|{h:.3f} s (host)|{g / h:.2f}|")
         mib = a.big / (1 << 20)
         h, g = statistics.median(rows[big_row][0]), statistics.median(rows[big_row][1])
