@@ -25,11 +25,6 @@ fn main() {
     {
         std::process::exit(connect::main(&args[1..]));
     }
-    // Before any thread starts, so that every thread keeps SIGCHLD blocked (see there).
-    if let Err(e) = sys::block_sigchld() {
-        eprintln!("guest-init: blocking SIGCHLD: {e}");
-        sys::reboot();
-    }
     // Before the channel exists, errors can only go to the kernel console (`amvm run --console`).
     if let Err(e) = mounts::early() {
         eprintln!("guest-init: {e}");

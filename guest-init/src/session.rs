@@ -25,16 +25,17 @@ use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::fs::File;
 use std::io::{self, Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// How often a stop checks whether everything has ended.
-const STOP_POLL_MS: u64 = 50;
+/// How often the main loop reaps, and an exec's relay checks for its status.
+const TICK_MS: i32 = 50;
 
 /// Set once the control stream was reset: this guest was restored from a snapshot.
 static RESTORED: AtomicBool = AtomicBool::new(false);
@@ -42,8 +43,7 @@ static RESTORED: AtomicBool = AtomicBool::new(false);
 /// The running execs: who to tell when a process exits, and whom a signal is for.
 #[derive(Default)]
 struct Procs {
-    /// Where the reaper writes an exec's status byte: a pipe its relay polls.
-    by_pid: HashMap<libc::pid_t, File>,
+    by_pid: HashMap<libc::pid_t, mpsc::Sender<u8>>,
     by_id: HashMap<u64, libc::pid_t>,
     /// Terminal execs' pseudo-terminal masters, for their window size.
     ttys: HashMap<u64, Arc<File>>,
@@ -81,29 +81,16 @@ pub fn serve(
         root,
         exec_roots: Mutex::default(),
     });
-    // Children's ends wake the loop (SIGCHLD is blocked since main): no timer, so an idle
-    // guest sleeps until the host or a process has something for it.
-    let children = crate::sys::sigchld_fd().map_err(|e| format!("a signalfd for SIGCHLD: {e}"))?;
     chan.ready();
     loop {
-        let mut fds = [
-            libc::pollfd {
-                fd: chan.fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: children.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-        ];
-        // SAFETY: poll(2) on a valid array of two pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-        if n > 0 && fds[1].revents != 0 {
-            crate::sys::drain_signals(&children);
-        }
-        if n > 0 && fds[0].revents != 0 {
+        let mut pfd = libc::pollfd {
+            fd: chan.fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll(2) on one valid pollfd for the duration of the call.
+        let n = unsafe { libc::poll(&mut pfd, 1, TICK_MS) };
+        if n > 0 && pfd.revents != 0 {
             match chan.receive() {
                 Incoming::Closed => {
                     // The host is gone: nobody can use the sandbox any more.
@@ -163,7 +150,7 @@ fn restored(chan: &mut Channel) -> Result<(), String> {
 }
 
 /// Whether a write error on an exec's stream is the restore's reset: then the process keeps
-/// running. The main loop notices the reset as soon as it reads its control stream.
+/// running. The main loop notices the reset on its control stream within a tick or two.
 fn reset_by_restore(e: &io::Error) -> bool {
     if !matches!(e.raw_os_error(), Some(libc::ECONNRESET | libc::ENOTCONN)) {
         return false;
@@ -197,28 +184,12 @@ fn reap(shared: &Shared) -> bool {
             return true;
         }
         if let Some(status) = status_byte(wstatus) {
-            if let Some(mut tx) = procs.by_pid.remove(&r) {
+            if let Some(tx) = procs.by_pid.remove(&r) {
                 procs.by_id.retain(|_, p| *p != r);
-                // One byte into an empty pipe: it never blocks. A relay that has gone (its
-                // end closed) does not need it.
-                let _ = tx.write_all(&[status]);
+                let _ = tx.send(status);
             }
         }
     }
-}
-
-/// A pipe for one exec's status byte, from the reaper to its relay: (read end, write end).
-fn status_pipe() -> io::Result<(File, File)> {
-    let mut fds = [0; 2];
-    // SAFETY: pipe2(2) fills a valid array of two ints.
-    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: both descriptors were just made and are owned by nobody else.
-    let read = unsafe { File::from_raw_fd(fds[0]) };
-    // SAFETY: as above.
-    let write = unsafe { File::from_raw_fd(fds[1]) };
-    Ok((read, write))
 }
 
 /// SIGTERM everything, wait up to `grace` for it to end, SIGKILL what is left, and give the
@@ -231,7 +202,7 @@ fn stop(shared: &Shared, grace: Duration) {
     signal_all(libc::SIGTERM);
     let end = Instant::now() + grace;
     while reap(shared) && Instant::now() < end {
-        std::thread::sleep(Duration::from_millis(STOP_POLL_MS));
+        std::thread::sleep(Duration::from_millis(TICK_MS as u64));
     }
     signal_all(libc::SIGKILL);
     let end = Instant::now() + Duration::from_secs(2);
@@ -427,7 +398,7 @@ fn run(
     // on memory built before the fork (see `Confinement::enter`).
     unsafe { cmd.pre_exec(move || confinement.enter()) };
     let oom_before = shared.cgroup.oom_kills();
-    let (mut rx, tx) = status_pipe()?;
+    let (tx, rx) = mpsc::channel();
     let mut child = {
         let mut procs = lock(&shared.procs);
         match cmd.spawn() {
@@ -500,6 +471,12 @@ fn run(
     // The stream was reset by a restore: the process goes on, its output goes nowhere.
     let mut detached = false;
     loop {
+        if status.is_none() {
+            if let Ok(s) = rx.try_recv() {
+                status = Some(s);
+                cgroup.kill();
+            }
+        }
         if !open[0] && !open[1] {
             if let Some(s) = status {
                 if detached {
@@ -530,15 +507,9 @@ fn run(
                 events: libc::POLLIN,
                 revents: 0,
             },
-            // The reaper's status byte: the process has exited.
-            libc::pollfd {
-                fd: if status.is_none() { rx.as_raw_fd() } else { -1 },
-                events: libc::POLLIN,
-                revents: 0,
-            },
         ];
-        // SAFETY: `fds` is a valid array of three pollfd for the duration of the call.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 3, -1) };
+        // SAFETY: `fds` is a valid array of two pollfd for the duration of the call.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, TICK_MS) };
         if n < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -546,22 +517,7 @@ fn run(
             }
             return Err(e);
         }
-        if fds[2].revents != 0 {
-            let mut byte = [0u8];
-            match rx.read(&mut byte) {
-                Ok(1) => {
-                    status = Some(byte[0]);
-                    // What it left behind goes with it (and so does the output they held).
-                    cgroup.kill();
-                }
-                Ok(_) | Err(_) => {
-                    return Err(io::Error::other(
-                        "the reaper's status pipe closed unwritten",
-                    ))
-                }
-            }
-        }
-        for (i, pfd) in fds.iter().take(2).enumerate() {
+        for (i, pfd) in fds.iter().enumerate() {
             if !open[i] || pfd.revents == 0 {
                 continue;
             }
