@@ -373,11 +373,13 @@ fn sandboxes_made_through_amvm_serve_outlive_it() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    // Until it accepts, not merely until the file exists: bind(2) makes the file before
+    // listen(2) lets a connection in (a connect between the two was refused in CI, 2026-12-07).
     let t0 = Instant::now();
-    while !sock.exists() {
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
         assert!(
             t0.elapsed() < Duration::from_secs(30),
-            "amvm serve made no socket"
+            "amvm serve accepted nothing on its socket"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
