@@ -87,26 +87,28 @@ def main():
         shape_of(a.tree, ws_tree)
         n = subprocess.run(["sh", "-c", f"find {a.tree} | wc -l"], capture_output=True, text=True).stdout.strip()
         walks = {"system root": a.tree, "workspace": "tree"}
+        temps = ("cold", "warm")
+        key = lambda where, temp: f"find {n} entries, {where}, {temp}"
         for where in walks:
-            for temp in ("cold", "warm"):
-                rows[f"find {n} entries, {where}, {temp}"] = ([], [])
+            for temp in temps:
+                rows[key(where, temp)] = ([], [])
         for r in range(a.runs):
             for where, path in walks.items():
                 walk = f"find {path} > /dev/null"
+                twice = timed(walk) + "; " + timed(walk)
                 drop_host_cache(d)
-                p = subprocess.run(["sh", "-c", timed(walk) + "; " + timed(walk)], cwd=d,
-                                   capture_output=True, text=True, check=True)
+                p = subprocess.run(["sh", "-c", twice], cwd=d, capture_output=True, text=True, check=True)
                 host = [seconds(l) for l in p.stdout.splitlines()]
                 drop_host_cache(d)
-                p = subprocess.run([a.amvm, "run", "--workspace", d, "--timeout", "3600", "--", "sh", "-c",
-                                    timed(walk) + "; " + timed(walk)], capture_output=True, text=True)
+                p = subprocess.run([a.amvm, "run", "--workspace", d, "--timeout", "3600", "--", "sh", "-c", twice],
+                                   capture_output=True, text=True)
                 if p.returncode != 0:
                     print(f"find: amvm exited {p.returncode}: {p.stderr}", file=sys.stderr)
                     return 1
                 guest = [seconds(l) for l in p.stdout.splitlines()]
-                for temp, h, g in zip(("cold", "warm"), host, guest):
-                    rows[f"find {n} entries, {where}, {temp}"][0].append(h)
-                    rows[f"find {n} entries, {where}, {temp}"][1].append(g)
+                for temp, h, g in zip(temps, host, guest):
+                    rows[key(where, temp)][0].append(h)
+                    rows[key(where, temp)][1].append(g)
         print(f"\nvirtio-fs benchmark: {a.runs} runs, medians (min-max), seconds")
         print(f"{'row':44} {'host':>20} {'guest (virtio-fs)':>22} {'guest/host':>11}")
         for name, (host, guest) in rows.items():
