@@ -166,38 +166,33 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
     let kvm = Arc::new(Kvm::open()?);
     t.mark("egress checked, KVM open");
     // Guest RAM while amvm still has the capabilities to make its huge-page tmpfs (memory.rs).
+    // A restore maps the snapshot's memory file copy-on-write instead, once the snapshot is
+    // known to fit this machine: nothing is copied, and the shares relay (below).
     let mem_bytes = cfg.mem_mib << 20;
-    let (mem, backing) = memory::create(cfg.mem_mib, cfg.huge_pages)?;
-    t.mark(match backing {
-        memory::Backing::HugeTmpfs => "guest memory created (huge-page tmpfs)",
-        memory::Backing::Memfd => "guest memory created (memfd)",
-    });
-    // A restore: the snapshot must fit this machine, and its RAM (its data only) goes in on a
-    // thread of its own (filtered as this one will be) while the shares' backends start and
-    // handshake; it is joined before any vCPU or device is restored, so nothing reads guest
-    // memory before it is whole (the handshakes only map it).
     let restore = cfg.restore.as_deref();
-    let mut ram_copy = match restore {
+    let mem = match restore {
         Some(r) => {
             check_restore(cfg, &r.state)?;
-            let (ram, len) = memory::backing(&mem)
-                .ok_or_else(|| RunError::Restore("guest memory is not file-backed".into()))?;
-            let dup = |f: &std::fs::File| {
-                f.try_clone()
-                    .map_err(|e| RunError::Restore(format!("its memory file: {e}")))
-            };
-            let (from, to) = (dup(&r.memory)?, dup(ram)?);
-            let p = policy.clone();
-            let copier = std::thread::Builder::new()
-                .name("ram restore".into())
-                .spawn(move || {
-                    p.apply(ThreadKind::Vmm).map_err(|e| e.to_string())?;
-                    memory::copy_sparse(&from, &to, len)
-                        .map_err(|e| format!("reading its memory file: {e}"))
-                })
-                .map_err(|e| RunError::Restore(format!("a thread for its RAM: {e}")))?;
-            Some(copier)
+            let mem = memory::restore_private(cfg.mem_mib, &r.memory)?;
+            t.mark("guest memory mapped from the snapshot (copy-on-write)");
+            mem
         }
+        None => {
+            let (mem, backing) = memory::create(cfg.mem_mib, cfg.huge_pages)?;
+            t.mark(match backing {
+                memory::Backing::HugeTmpfs => "guest memory created (huge-page tmpfs)",
+                memory::Backing::Memfd => "guest memory created (memfd)",
+            });
+            mem
+        }
+    };
+    // A snapshot of a restored guest finds the pages it wrote here (memory::write_snapshot);
+    // opened now, while /proc is still in reach.
+    let pagemap = match restore {
+        Some(_) => Some(
+            std::fs::File::open("/proc/self/pagemap")
+                .map_err(|e| RunError::Restore(format!("/proc/self/pagemap: {e}")))?,
+        ),
         None => None,
     };
     // The shares' backends: every virtiofsd is started now, and each is handshaken once guest
@@ -330,6 +325,16 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
             let (_, saved) = &r.state.devices.shares[i];
             dev.load_backend_state(&saved.blob)
                 .map_err(|e| RunError::Restore(format!("share {tag}: {e}")))?;
+            // It must not map guest RAM (a private mapping): the device relays through a
+            // shadow region of its own, on a thread filtered as the vsock worker is.
+            let shadow = memory::shared(amvm_devices::virtio::fs::SHADOW_LEN)?;
+            let p = policy.clone();
+            policy.expect_thread();
+            dev.relay_through(shadow, Box::new(move || p.enter(ThreadKind::EventLoop)))
+                .map_err(|e| {
+                    policy.forget_thread();
+                    RunError::Restore(format!("share {tag}: its relay: {e}"))
+                })?;
         }
         let slot = 1 + i as u64;
         let dev = Arc::new(Mutex::new(dev));
@@ -365,13 +370,6 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         )?;
     }
 
-    if let Some(copier) = ram_copy.take() {
-        copier
-            .join()
-            .map_err(|_| RunError::Restore("the copy of its RAM panicked".into()))?
-            .map_err(RunError::Restore)?;
-        t.mark("guest memory restored");
-    }
     // vCPUs: all configured before any runs; vCPU 0 boots, the others wait for the guest's SIPI
     // (or each continues where the snapshot has it).
     let mut vcpus = Vec::with_capacity(cfg.cpus.into());
@@ -443,6 +441,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         transports: &transports,
         shares: &shares,
         vsock: &vsock_hold,
+        pagemap: pagemap.as_ref(),
         mem_mib: cfg.mem_mib,
         cpus: cfg.cpus,
     };

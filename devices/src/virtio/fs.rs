@@ -6,7 +6,13 @@
 //!
 //! The backend's features are filtered to the ring features we know to be safe for a
 //! transport without an IOMMU; nothing else the backend offers reaches the guest.
+//!
+//! A device may instead relay (`VhostUserFs::relay_through`, `fs_relay.rs`): the backend then
+//! maps only a small shared region of ours and never guest RAM, for a guest whose RAM is a
+//! private (copy-on-write) mapping of a snapshot.
 
+pub use super::fs_relay::SHADOW_LEN;
+use super::hold::WorkerHold;
 use super::{
     ActivateError, InterruptStatus, VirtioDevice, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
@@ -86,7 +92,43 @@ pub struct VhostUserFs {
     /// them (GET_VRING_BASE drops the backend's kick and call fds).
     kicks: Vec<EventFd>,
     interrupt: Option<Arc<InterruptStatus>>,
+    /// Set when the device relays its requests through a shadow region (see the module's
+    /// comment); `None` when the backend maps guest RAM itself.
+    relay: Option<RelaySide>,
 }
+
+/// A relaying device's side of its worker (`fs_relay.rs`).
+struct RelaySide {
+    shadow: GuestMemoryMmap,
+    /// Per ring: the backend's call fd (it used buffers) and its kick fd (we offered some).
+    calls: Vec<EventFd>,
+    kicks: Vec<EventFd>,
+    hold: WorkerHold,
+    kill: EventFd,
+    activate: Option<std::sync::mpsc::SyncSender<RelayStart>>,
+    worker: Option<std::thread::JoinHandle<()>>,
+}
+
+/// What the guest's DRIVER_OK hands the relay's worker.
+struct RelayStart {
+    mem: GuestMemoryMmap,
+    queues: Vec<Queue>,
+    queue_evts: Vec<EventFd>,
+    interrupt: Arc<InterruptStatus>,
+}
+
+impl Drop for RelaySide {
+    fn drop(&mut self) {
+        let _ = self.kill.write(1);
+        self.activate.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// How long a snapshot waits for the relay's requests in flight to finish.
+const RELAY_HOLD_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl std::fmt::Debug for VhostUserFs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -137,7 +179,81 @@ impl VhostUserFs {
             active: false,
             kicks: Vec::new(),
             interrupt: None,
+            relay: None,
         })
+    }
+
+    /// Relay the guest's requests through `shadow` (a shared region of at least
+    /// [`SHADOW_LEN`] bytes from guest address 0, file-backed) instead of letting the backend
+    /// map guest RAM. Call before the guest activates the device. The worker thread starts now
+    /// and runs `on_start` first (the VMM's seccomp filter for it).
+    pub fn relay_through(
+        &mut self,
+        shadow: GuestMemoryMmap,
+        on_start: Box<dyn FnOnce() + Send>,
+    ) -> io::Result<()> {
+        use vm_memory::GuestMemoryRegion;
+        let len: u64 = shadow.iter().map(|r| r.len()).sum();
+        if len < SHADOW_LEN || shadow.iter().any(|r| r.file_offset().is_none()) {
+            return Err(io::Error::other(format!(
+                "the relay's shadow must be {SHADOW_LEN} bytes of file-backed memory"
+            )));
+        }
+        let fds = || -> io::Result<Vec<EventFd>> {
+            (0..NUM_QUEUES)
+                .map(|_| EventFd::new(libc::EFD_NONBLOCK))
+                .collect()
+        };
+        let (calls, kicks) = (fds()?, fds()?);
+        let dup = |v: &Vec<EventFd>| -> io::Result<Vec<EventFd>> {
+            v.iter().map(EventFd::try_clone).collect()
+        };
+        let (worker_calls, worker_kicks) = (dup(&calls)?, dup(&kicks)?);
+        let kill = EventFd::new(libc::EFD_NONBLOCK)?;
+        let worker_kill = kill.try_clone()?;
+        let hold = WorkerHold::new()?;
+        let worker_hold = hold.clone();
+        let worker_shadow = shadow.clone();
+        let epoll = vmm_sys_util::epoll::Epoll::new()?;
+        let (activate, activation) = std::sync::mpsc::sync_channel::<RelayStart>(1);
+        let worker = std::thread::Builder::new()
+            .name("virtio-fs relay".into())
+            .stack_size(crate::THREAD_STACK_SIZE)
+            .spawn(move || {
+                on_start();
+                // The sender goes away without activating when the device is dropped first.
+                let Ok(a) = activation.recv() else { return };
+                let rings = a
+                    .queues
+                    .into_iter()
+                    .zip(a.queue_evts)
+                    .zip(worker_calls.into_iter().zip(worker_kicks))
+                    .enumerate()
+                    .map(|(i, ((q, evt), (call, kick)))| {
+                        super::fs_relay::Ring::new(i, q, evt, call, kick)
+                    })
+                    .collect();
+                super::fs_relay::Relay::new(
+                    a.mem,
+                    worker_shadow,
+                    rings,
+                    a.interrupt,
+                    worker_hold,
+                    worker_kill,
+                    epoll,
+                )
+                .run();
+            })?;
+        self.relay = Some(RelaySide {
+            shadow,
+            calls,
+            kicks,
+            hold,
+            kill,
+            activate: Some(activate),
+            worker: Some(worker),
+        });
+        Ok(())
     }
 
     /// For a snapshot (the guest paused): stop the rings (GET_VRING_BASE: the backend finishes
@@ -145,10 +261,24 @@ impl VhostUserFs {
     /// and have it confirm the save. The rings stay stopped: [`VhostUserFs::restart_rings`]
     /// starts them again where they stood if the guest goes on.
     pub fn save_backend_state(&mut self) -> Result<BackendState, FsError> {
-        use std::io::Read;
         if !self.device_state {
             return Err(FsError::NoDeviceState);
         }
+        // A relay first lets what it forwarded finish, and takes nothing more.
+        if let Some(r) = &self.relay {
+            r.hold.hold(RELAY_HOLD_LIMIT).map_err(FsError::StateIo)?;
+        }
+        let saved = self.save_stopped();
+        if saved.is_err() {
+            if let Some(r) = &self.relay {
+                r.hold.release();
+            }
+        }
+        saved
+    }
+
+    fn save_stopped(&mut self) -> Result<BackendState, FsError> {
+        use std::io::Read;
         let mut ring_bases = Vec::with_capacity(NUM_QUEUES);
         if self.active {
             for i in 0..NUM_QUEUES {
@@ -195,18 +325,33 @@ impl VhostUserFs {
     /// interrupt and kick fds given back (GET_VRING_BASE dropped both), and is kicked once in
     /// case the driver queued something meanwhile.
     pub fn restart_rings(&mut self, ring_bases: &[u32]) -> Result<(), FsError> {
+        let restarted = self.restart(ring_bases);
+        // A relay goes on (it was held since the save), whatever happened.
+        if let Some(r) = &self.relay {
+            r.hold.release();
+        }
+        restarted
+    }
+
+    fn restart(&mut self, ring_bases: &[u32]) -> Result<(), FsError> {
         if !self.active {
             return Ok(());
         }
-        let call = self
-            .interrupt
-            .as_ref()
-            .and_then(|i| i.backend_line())
-            .ok_or_else(|| FsError::Vhost {
-                step: "SET_VRING_CALL",
-                detail: "the interrupt line is not an event fd".into(),
-            })?;
-        for (i, (&base, kick)) in ring_bases.iter().zip(&self.kicks).enumerate() {
+        let fds: Vec<(&EventFd, &EventFd)> = match &self.relay {
+            Some(r) => r.calls.iter().zip(&r.kicks).collect(),
+            None => {
+                let call = self
+                    .interrupt
+                    .as_ref()
+                    .and_then(|i| i.backend_line())
+                    .ok_or_else(|| FsError::Vhost {
+                        step: "SET_VRING_CALL",
+                        detail: "the interrupt line is not an event fd".into(),
+                    })?;
+                self.kicks.iter().map(|k| (call, k)).collect()
+            }
+        };
+        for (i, (&base, (call, kick))) in ring_bases.iter().zip(fds).enumerate() {
             let base = u16::try_from(base).map_err(|_| FsError::Vhost {
                 step: "SET_VRING_BASE",
                 detail: format!("ring {i}: base {base} is not a ring index"),
@@ -242,7 +387,50 @@ impl VhostUserFs {
         queue_evts: &[EventFd],
         call: &EventFd,
     ) -> Result<(), FsError> {
-        let mut features = self.acked;
+        self.set_features_and_memory(self.acked, mem)?;
+        for (i, (q, kick)) in queues.iter().zip(queue_evts).enumerate() {
+            // The transport checked the rings lie in guest memory (Queue::is_valid).
+            let rings = (q.desc_table(), q.avail_ring(), q.used_ring());
+            self.set_ring(mem, i, q.size(), rings)?;
+            // 0 at the guest's activation; where the queue stood for a restored device.
+            start_ring(
+                &mut self.frontend,
+                self.protocol,
+                i,
+                q.next_avail(),
+                call,
+                kick,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Program the backend for a relay: the shadow region is its memory, the shadow rings its
+    /// queues (neither `EVENT_IDX` nor indirect descriptors: the relay uses neither), and our
+    /// event fds its call and kick fds.
+    fn start_relay(&mut self) -> Result<(), FsError> {
+        let Some(relay) = self.relay.take() else {
+            return Ok(());
+        };
+        let started = (|| {
+            self.set_features_and_memory(self.acked & (1 << VIRTIO_F_VERSION_1), &relay.shadow)?;
+            for (i, (call, kick)) in relay.calls.iter().zip(&relay.kicks).enumerate() {
+                let size = super::fs_relay::RING_SIZE;
+                self.set_ring(&relay.shadow, i, size, super::fs_relay::ring_addresses(i))?;
+                start_ring(&mut self.frontend, self.protocol, i, 0, call, kick)?;
+            }
+            Ok(())
+        })();
+        self.relay = Some(relay);
+        started
+    }
+
+    fn set_features_and_memory(
+        &mut self,
+        acked: u64,
+        mem: &GuestMemoryMmap,
+    ) -> Result<(), FsError> {
+        let mut features = acked;
         if self.protocol {
             features |= VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
         }
@@ -257,42 +445,41 @@ impl VhostUserFs {
         self.frontend
             .set_mem_table(&regions)
             .map_err(vhost("SET_MEM_TABLE"))?;
-        for (i, (q, kick)) in queues.iter().zip(queue_evts).enumerate() {
-            // The transport checked the rings lie in guest memory (Queue::is_valid).
-            let hva = |a: u64| -> Result<u64, FsError> {
-                mem.get_host_address(GuestAddress(a))
-                    .map(|p| p as u64)
-                    .map_err(|e| FsError::Vhost {
-                        step: "ring address",
-                        detail: e.to_string(),
-                    })
-            };
-            let config = VringConfigData {
-                queue_max_size: QUEUE_SIZE,
-                queue_size: q.size(),
-                flags: 0,
-                desc_table_addr: hva(q.desc_table())?,
-                used_ring_addr: hva(q.used_ring())?,
-                avail_ring_addr: hva(q.avail_ring())?,
-                log_addr: None,
-            };
-            self.frontend
-                .set_vring_num(i, q.size())
-                .map_err(vhost("SET_VRING_NUM"))?;
-            self.frontend
-                .set_vring_addr(i, &config)
-                .map_err(vhost("SET_VRING_ADDR"))?;
-            // 0 at the guest's activation; where the queue stood for a restored device.
-            start_ring(
-                &mut self.frontend,
-                self.protocol,
-                i,
-                q.next_avail(),
-                call,
-                kick,
-            )?;
-        }
         Ok(())
+    }
+
+    /// Ring `i`: its size and where its parts are (`mem`'s addresses: descriptors, available,
+    /// used), as host addresses for the backend.
+    fn set_ring(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        i: usize,
+        size: u16,
+        (desc, avail, used): (u64, u64, u64),
+    ) -> Result<(), FsError> {
+        let hva = |a: u64| -> Result<u64, FsError> {
+            mem.get_host_address(GuestAddress(a))
+                .map(|p| p as u64)
+                .map_err(|e| FsError::Vhost {
+                    step: "ring address",
+                    detail: e.to_string(),
+                })
+        };
+        let config = VringConfigData {
+            queue_max_size: QUEUE_SIZE,
+            queue_size: size,
+            flags: 0,
+            desc_table_addr: hva(desc)?,
+            used_ring_addr: hva(used)?,
+            avail_ring_addr: hva(avail)?,
+            log_addr: None,
+        };
+        self.frontend
+            .set_vring_num(i, size)
+            .map_err(vhost("SET_VRING_NUM"))?;
+        self.frontend
+            .set_vring_addr(i, &config)
+            .map_err(vhost("SET_VRING_ADDR"))
     }
 }
 
@@ -339,6 +526,30 @@ impl VirtioDevice for VhostUserFs {
         }
         if let Some(index) = queues.iter().position(|q| !q.ready()) {
             return Err(ActivateError::QueueNotReady { index });
+        }
+        if self.relay.is_some() {
+            self.start_relay()
+                .map_err(|e| ActivateError::Backend(io::Error::other(e.to_string())))?;
+            let relay = self.relay.as_mut().expect("checked above");
+            let start = relay
+                .activate
+                .take()
+                .ok_or(ActivateError::AlreadyActivated)?;
+            start
+                .send(RelayStart {
+                    mem,
+                    queues,
+                    queue_evts,
+                    interrupt,
+                })
+                .map_err(|_| {
+                    ActivateError::Backend(io::Error::other(
+                        "the virtio-fs relay thread has stopped",
+                    ))
+                })?;
+            relay.hold.set_active();
+            self.active = true;
+            return Ok(());
         }
         let call = interrupt.backend_line().ok_or_else(|| {
             ActivateError::Backend(io::Error::other(

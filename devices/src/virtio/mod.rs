@@ -22,6 +22,8 @@ use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
 
 pub mod fs;
+mod fs_relay;
+pub mod hold;
 pub mod mmio;
 #[cfg(test)]
 pub(crate) mod test_utils;

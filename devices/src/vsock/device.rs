@@ -7,6 +7,7 @@
 use super::defs::*;
 use super::muxer::{Backend, ConnKey, Muxer};
 use super::packet::{read_tx, write_rx};
+pub use crate::virtio::hold::WorkerHold;
 use crate::virtio::{
     ActivateError, InterruptStatus, VirtioDevice, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
@@ -29,97 +30,6 @@ const TOKEN_EVQ: u64 = 2;
 const TOKEN_KILL: u64 = 3;
 const TOKEN_HOLD: u64 = 4;
 const FIRST_CONN_TOKEN: u64 = 16;
-
-/// Stops the worker between two passes of its loop and lets it go again, for a snapshot: while
-/// held it touches neither guest memory nor the queues (the guest is paused too), so what it
-/// had done is all in guest memory. Host streams wait in their sockets meanwhile.
-#[derive(Debug, Clone)]
-pub struct WorkerHold {
-    inner: Arc<HoldInner>,
-}
-
-#[derive(Debug)]
-struct HoldInner {
-    /// (hold asked for, the worker is held)
-    state: std::sync::Mutex<(bool, bool)>,
-    changed: std::sync::Condvar,
-    wake: EventFd,
-    /// The worker has its queues (the device was activated); before that it touches nothing.
-    active: std::sync::atomic::AtomicBool,
-}
-
-impl WorkerHold {
-    fn new() -> io::Result<Self> {
-        Ok(WorkerHold {
-            inner: Arc::new(HoldInner {
-                state: std::sync::Mutex::new((false, false)),
-                changed: std::sync::Condvar::new(),
-                wake: EventFd::new(libc::EFD_NONBLOCK)?,
-                active: std::sync::atomic::AtomicBool::new(false),
-            }),
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, (bool, bool)> {
-        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Hold the worker; returns once it is held (at once if it never started), or fails after
-    /// `limit` (and lets it go).
-    pub fn hold(&self, limit: std::time::Duration) -> io::Result<()> {
-        if !self.inner.active.load(std::sync::atomic::Ordering::SeqCst) {
-            return Ok(());
-        }
-        let mut s = self.lock();
-        s.0 = true;
-        self.inner.wake.write(1)?;
-        let deadline = std::time::Instant::now() + limit;
-        while !s.1 {
-            let now = std::time::Instant::now();
-            if now >= deadline {
-                s.0 = false;
-                self.inner.changed.notify_all();
-                return Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("the vsock worker did not stop within {limit:?}"),
-                ));
-            }
-            s = self
-                .inner
-                .changed
-                .wait_timeout(s, deadline - now)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        Ok(())
-    }
-
-    /// Let the worker go on.
-    pub fn release(&self) {
-        self.lock().0 = false;
-        self.inner.changed.notify_all();
-    }
-
-    /// The worker's side: if a hold is asked for, stay here until released.
-    fn wait_if_held(&self) {
-        let _ = self.inner.wake.read();
-        let mut s = self.lock();
-        if !s.0 {
-            return;
-        }
-        s.1 = true;
-        self.inner.changed.notify_all();
-        while s.0 {
-            s = self
-                .inner
-                .changed
-                .wait(s)
-                .unwrap_or_else(|p| p.into_inner());
-        }
-        s.1 = false;
-        self.inner.changed.notify_all();
-    }
-}
 
 /// A virtio-vsock device for one guest CID, serving the ports its backend publishes.
 pub struct VsockDevice<B: Backend> {
@@ -321,10 +231,7 @@ where
             .map_err(|_| {
                 ActivateError::Backend(io::Error::other("the vsock worker thread has stopped"))
             })?;
-        self.hold
-            .inner
-            .active
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.hold.set_active();
         Ok(())
     }
 }
@@ -372,7 +279,7 @@ where
             (self.tx_evt.as_raw_fd(), TOKEN_TX),
             (self.evq_evt.as_raw_fd(), TOKEN_EVQ),
             (self.kill.as_raw_fd(), TOKEN_KILL),
-            (self.hold.inner.wake.as_raw_fd(), TOKEN_HOLD),
+            (self.hold.wake_fd(), TOKEN_HOLD),
         ] {
             self.epoll.ctl(
                 ControlOperation::Add,

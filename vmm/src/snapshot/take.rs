@@ -33,6 +33,8 @@ pub struct Machine<'a> {
     pub transports: &'a [Arc<Mutex<MmioTransport>>],
     pub shares: &'a [(String, Arc<Mutex<VhostUserFs>>)],
     pub vsock: &'a WorkerHold,
+    /// A restored guest's `/proc/self/pagemap` (its RAM is a private mapping).
+    pub pagemap: Option<&'a File>,
     pub mem_mib: u64,
     pub cpus: u8,
 }
@@ -97,8 +99,10 @@ impl Machine<'_> {
             .iter()
             .map(|t| lock(t).save_state())
             .collect();
-        let (ram, len) = memory::backing(self.mem).ok_or("guest memory is not file-backed")?;
-        let copied = memory::copy_sparse(ram, memory, len)
+        let len = memory::backing(self.mem)
+            .ok_or("guest memory is not file-backed")?
+            .1;
+        let copied = memory::write_snapshot(self.mem, memory, self.pagemap)
             .map_err(|e| format!("writing guest memory: {e}"))?;
         let machine = MachineState {
             meta: Meta {

@@ -30,6 +30,8 @@ pub enum MemoryError {
     Memfd { mib: u64, source: io::Error },
     #[error("--huge-pages: cannot make the huge-page tmpfs for guest RAM: {source} (it needs the mount API, Linux 5.2 or later, and a user namespace amvm may mount tmpfs in; run without --huge-pages for a memfd)")]
     HugeTmpfs { source: io::Error },
+    #[error("cannot map the snapshot's {mib} MiB of guest memory: {detail}")]
+    Private { mib: u64, detail: String },
     #[error("cannot map {mib} MiB of guest memory: {source}")]
     Map {
         mib: u64,
@@ -76,6 +78,122 @@ pub fn create(mib: u64, huge: bool) -> Result<(GuestMemoryMmap, Backing), Memory
     let mem = GuestMemoryMmap::from_ranges_with_files(with_files)
         .map_err(|source| MemoryError::Map { mib, source })?;
     Ok((mem, backing))
+}
+
+/// A restored guest's RAM: the snapshot's memory file mapped `MAP_PRIVATE` (copy-on-write), so
+/// a restore copies nothing and sandboxes restored from one snapshot share every page none of
+/// them wrote (the file's page cache); what the guest writes becomes its own anonymous memory.
+/// Nothing else may map this RAM (a vhost-user backend would not see the private copies):
+/// virtio-fs relays through a shadow region instead (devices' `fs_relay.rs`). `file` must stay
+/// as it is while the guest runs (the CLI checked its length; a file cut short under the guest
+/// would fault the VMM).
+pub fn restore_private(mib: u64, file: &File) -> Result<GuestMemoryMmap, MemoryError> {
+    use vm_memory::mmap::MmapRegionBuilder;
+    use vm_memory::GuestRegionMmap;
+    let map = |detail: String| MemoryError::Private { mib, detail };
+    let mut offset = 0u64;
+    let mut regions = Vec::new();
+    for (start, len) in layout::ram_ranges(mib << 20) {
+        let fo = FileOffset::new(file.try_clone().map_err(|e| map(e.to_string()))?, offset);
+        let region = MmapRegionBuilder::new(len as usize)
+            .with_file_offset(fo)
+            .with_mmap_prot(libc::PROT_READ | libc::PROT_WRITE)
+            .with_mmap_flags(libc::MAP_PRIVATE | libc::MAP_NORESERVE)
+            .build()
+            .map_err(|e| map(e.to_string()))?;
+        regions.push(
+            GuestRegionMmap::new(region, GuestAddress(start))
+                .ok_or_else(|| map(format!("a region at {start:#x} overflows")))?,
+        );
+        offset += len;
+    }
+    GuestMemoryMmap::from_regions(regions).map_err(|e| map(e.to_string()))
+}
+
+/// `len` bytes of shared memory at address 0, backed by a memfd: the region a relaying
+/// virtio-fs device shares with its backend.
+pub fn shared(len: u64) -> Result<GuestMemoryMmap, MemoryError> {
+    let mib = len >> 20;
+    let memfd = |source| MemoryError::Memfd { mib, source };
+    let file = new_memfd().map_err(memfd)?;
+    file.set_len(len).map_err(memfd)?;
+    GuestMemoryMmap::from_ranges_with_files([(
+        GuestAddress(0),
+        len as usize,
+        Some(FileOffset::new(file, 0)),
+    )])
+    .map_err(|source| MemoryError::Map { mib, source })
+}
+
+/// Guest RAM is a private mapping of a snapshot ([`restore_private`]).
+pub fn is_private(mem: &GuestMemoryMmap) -> bool {
+    use vm_memory::GuestMemoryBackend;
+    mem.iter().any(|r| r.flags() & libc::MAP_PRIVATE != 0)
+}
+
+/// Write guest RAM to `out` for a snapshot, sparse: a shared mapping's file where it holds data
+/// (`copy_sparse`); a private one's ([`restore_private`]) file where it holds data and then every
+/// page the guest wrote since (present and anonymous, or swapped out, in `pagemap`:
+/// `/proc/self/pagemap`, opened before the VMM left the host's tree). Returns the bytes written.
+pub fn write_snapshot(
+    mem: &GuestMemoryMmap,
+    out: &File,
+    pagemap: Option<&File>,
+) -> io::Result<u64> {
+    use std::os::unix::fs::FileExt;
+    use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion};
+    let (file, len) =
+        backing(mem).ok_or_else(|| io::Error::other("guest memory is not file-backed"))?;
+    let mut written = copy_sparse(file, out, len)?;
+    if !is_private(mem) {
+        return Ok(written);
+    }
+    let pagemap =
+        pagemap.ok_or_else(|| io::Error::other("no /proc/self/pagemap to find written pages"))?;
+    const PAGE: u64 = 4096;
+    /// pagemap(5): present, swapped, and "a file page or shared anonymous".
+    const PRESENT: u64 = 1 << 63;
+    const SWAPPED: u64 = 1 << 62;
+    const FILE: u64 = 1 << 61;
+    let mut entries = vec![0u8; 8 * 4096];
+    for region in mem.iter() {
+        let host = region.as_ptr() as u64;
+        let at_file = region.file_offset().map_or(0, |f| f.start());
+        let pages = region.len() / PAGE;
+        let mut page = 0u64;
+        while page < pages {
+            let n = (pages - page).min(4096);
+            let bytes = &mut entries[..8 * n as usize];
+            pagemap.read_exact_at(bytes, (host / PAGE + page) * 8)?;
+            let mut run: Option<u64> = None;
+            for i in 0..=n {
+                let own = i < n && {
+                    let e = u64::from_ne_bytes(
+                        bytes[8 * i as usize..8 * i as usize + 8]
+                            .try_into()
+                            .unwrap_or_default(),
+                    );
+                    (e & PRESENT != 0 && e & FILE == 0) || e & SWAPPED != 0
+                };
+                match (own, run) {
+                    (true, None) => run = Some(i),
+                    (false, Some(first)) => {
+                        let (from, count) = ((page + first) * PAGE, (i - first) * PAGE);
+                        let mut data = vec![0u8; count as usize];
+                        region
+                            .read_slice(&mut data, vm_memory::MemoryRegionAddress(from))
+                            .map_err(io::Error::other)?;
+                        out.write_all_at(&data, at_file + from)?;
+                        written += count;
+                        run = None;
+                    }
+                    _ => {}
+                }
+            }
+            page += n;
+        }
+    }
+    Ok(written)
 }
 
 /// The one file that backs all of guest RAM (each region at its offset in it, in address
@@ -273,6 +391,60 @@ mod tests {
         let (short, _) = create(64, false).unwrap();
         let e = copy_sparse(&out, backing(&short).unwrap().0, len).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A restored guest's RAM reads the snapshot's file, keeps its writes to itself, and a
+    /// snapshot of it holds both: the file's data and the pages written since.
+    #[test]
+    fn a_private_mapping_of_a_snapshot_is_copy_on_write_and_snapshots_its_own_writes() {
+        use std::os::unix::fs::FileExt;
+        use vm_memory::Bytes;
+        let dir = std::env::temp_dir().join(format!("amvm-private-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let open = |name: &str| {
+            File::options()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(dir.join(name))
+                .unwrap()
+        };
+        let snap = open("memory");
+        snap.set_len(64 << 20).unwrap();
+        snap.write_all_at(b"from the snapshot", 0x1000).unwrap();
+        snap.write_all_at(b"overwritten", 0x3000).unwrap();
+        let mem = restore_private(64, &snap).unwrap();
+        assert!(is_private(&mem));
+        let mut got = [0u8; 17];
+        mem.read_slice(&mut got, GuestAddress(0x1000)).unwrap();
+        assert_eq!(&got, b"from the snapshot");
+        mem.write_slice(b"the guest's", GuestAddress(0x3000))
+            .unwrap();
+        mem.write_slice(b"written in a hole", GuestAddress(0x20_0000))
+            .unwrap();
+        // The file is untouched: a second restore sees the snapshot, not this guest.
+        let mut file_bytes = [0u8; 11];
+        snap.read_exact_at(&mut file_bytes, 0x3000).unwrap();
+        assert_eq!(&file_bytes, b"overwritten");
+
+        let pagemap = File::open("/proc/self/pagemap").unwrap();
+        let out = open("memory2");
+        let written = write_snapshot(&mem, &out, Some(&pagemap)).unwrap();
+        assert!(written < (8 << 20), "{written} bytes written");
+        let again = restore_private(64, &out).unwrap();
+        for (addr, want) in [
+            (0x1000, &b"from the snapshot"[..]),
+            (0x3000, b"the guest's"),
+            (0x20_0000, b"written in a hole"),
+        ] {
+            let mut got = vec![0u8; want.len()];
+            again.read_slice(&mut got, GuestAddress(addr)).unwrap();
+            assert_eq!(got, want, "at {addr:#x}");
+        }
+        // Without pagemap a private mapping's own pages could not be found: refused.
+        assert!(write_snapshot(&mem, &open("memory3"), None).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
