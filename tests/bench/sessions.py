@@ -209,8 +209,10 @@ def main():
         print(f"SUMMARY|sandbox: pause + resume (API)|{pr * 1e3:.1f} ms|{e * 1e3:.1f} ms (amvm exec -- true)|{pr / e:.2f}|")
         c, rs = statistics.median(cold), statistics.median(restored)
         print(f"SUMMARY|sandbox: restore to first exec ({a.mem} MiB)|{rs * 1e3:.1f} ms|{c * 1e3:.1f} ms (cold create to first exec)|{rs / c:.2f}|")
-        # PSS counts the pages a process maps; a fork's restored RAM the guest has not touched
-        # since is in its memfd (Shmem) but mapped by no one yet: count both (an upper bound).
+        # PSS counts the pages a process maps, shared ones divided among their mappers (a
+        # fork's RAM is the fork snapshot's file mapped copy-on-write); Shmem adds what sits in
+        # tmpfs files and memfds mapped by no one (that file's pages no fork touched, if the
+        # sandboxes' directory is a tmpfs; each relay's shadow): count both (an upper bound).
         fp = statistics.median(fork_pss) + statistics.median(fork_shmem)
         print(f"SUMMARY|sandbox: 5 forks' PSS + new Shmem ({a.mem} MiB)|{fp:.1f} MiB|{m:.1f} MiB (one sandbox's PSS)|{fp / m:.2f}|")
         sm = statistics.median(snap_mem)
