@@ -29,18 +29,19 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
 
 /// Each shadow ring's size: two descriptors per request, so half as many requests in flight.
-pub(crate) const RING_SIZE: u16 = 256;
-const SLOTS: u16 = RING_SIZE / 2;
+pub const RING_SIZE: u16 = 256;
+/// Requests in flight per ring, at most.
+pub const SLOTS: u16 = RING_SIZE / 2;
 /// Ring `q` lives at `q * RING_AREA` in the shadow: its descriptor table, then the available
 /// ring (4 + 2 * 256 + 2 bytes), then the used ring (4 + 8 * 256 + 2 bytes).
 const RING_AREA: u64 = 16 << 10;
-const AVAIL_OFF: u64 = 4 << 10;
-const USED_OFF: u64 = 8 << 10;
+pub const AVAIL_OFF: u64 = 4 << 10;
+pub const USED_OFF: u64 = 8 << 10;
 /// Request data lives after the rings.
-const DATA_START: u64 = 64 << 10;
+pub const DATA_START: u64 = 64 << 10;
 /// What may be in flight at once. A FUSE request is at most a megabyte and some headers
 /// (virtiofsd's largest read or write); a request larger than this whole area is refused.
-pub(crate) const DATA_LEN: u64 = 16 << 20;
+pub const DATA_LEN: u64 = 16 << 20;
 /// The shadow region's length, as the VMM makes it (a memfd the backend maps).
 pub const SHADOW_LEN: u64 = DATA_START + DATA_LEN;
 // The rings fit their areas, and the data follows them.
@@ -58,7 +59,7 @@ const VRING_DESC_F_NEXT: u16 = 1;
 const VRING_DESC_F_WRITE: u16 = 2;
 
 /// Where ring `q`'s parts are, as shadow addresses: (descriptors, available, used).
-pub(crate) fn ring_addresses(q: usize) -> (u64, u64, u64) {
+pub fn ring_addresses(q: usize) -> (u64, u64, u64) {
     let base = q as u64 * RING_AREA;
     (base, base + AVAIL_OFF, base + USED_OFF)
 }
@@ -163,6 +164,38 @@ impl Ring {
     }
 }
 
+impl Relay {
+    /// A relay with no thread, backend or events of its own, for driving it by hand
+    /// ([`Relay::pass`]): the fuzz target `tests/fuzz/fuzz_targets/fs_relay.rs`.
+    pub fn standalone(
+        mem: GuestMemoryMmap,
+        shadow: GuestMemoryMmap,
+        queues: Vec<Queue>,
+        interrupt: Arc<InterruptStatus>,
+    ) -> io::Result<Self> {
+        let ev = || EventFd::new(libc::EFD_NONBLOCK);
+        let rings = queues
+            .into_iter()
+            .enumerate()
+            .map(|(i, q)| Ok(Ring::new(i, q, ev()?, ev()?, ev()?)))
+            .collect::<io::Result<_>>()?;
+        Ok(Relay::new(
+            mem,
+            shadow,
+            rings,
+            interrupt,
+            WorkerHold::new()?,
+            ev()?,
+            Epoll::new()?,
+        ))
+    }
+
+    /// The requests ring `i` has given the backend and not had back.
+    pub fn in_flight(&self, i: usize) -> usize {
+        self.rings.get(i).map_or(0, Ring::in_flight)
+    }
+}
+
 /// Why a chain was not forwarded.
 enum Refused {
     /// Not now: no slot or no room in the shadow until the backend finishes something.
@@ -175,7 +208,7 @@ const TOKEN_KILL: u64 = 1 << 32;
 const TOKEN_HOLD: u64 = (1 << 32) + 1;
 
 /// The worker: serves every ring until killed.
-pub(crate) struct Relay {
+pub struct Relay {
     pub(crate) mem: GuestMemoryMmap,
     pub(crate) shadow: GuestMemoryMmap,
     pub(crate) rings: Vec<Ring>,
@@ -272,7 +305,7 @@ impl Relay {
 
     /// Take what the backend finished, then (unless draining) what the guest queued; a drained
     /// relay parks until the snapshot lets it go.
-    fn pass(&mut self) {
+    pub fn pass(&mut self) {
         for i in 0..self.rings.len() {
             self.complete(i);
         }

@@ -22,7 +22,8 @@ use std::sync::Arc;
 use vmm_sys_util::eventfd::EventFd;
 
 pub mod fs;
-mod fs_relay;
+#[doc(hidden)]
+pub mod fs_relay;
 pub mod hold;
 pub mod mmio;
 #[cfg(test)]

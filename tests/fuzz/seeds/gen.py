@@ -367,11 +367,45 @@ def snapshot_state():
             "other_version": u8(0) + b"AMVMSNAP" + u32(2) + head[12:] + body}
 
 
+def fs_relay():
+    """tests/fuzz/fuzz_targets/fs_relay.rs: steps are `which: bool`, then `kind`, then fields."""
+    mem = scribble([(addr_page0(1), b"FUSE request header and body" + bytes(16))])
+    queues = (u8(0) + u8(4) + addr_page1(0) + addr_page1(1) + addr_page1(2) + u8(0) +
+              u8(0) + u8(4) + addr_page1(3) + addr_page1(4) + addr_page1(5) + u8(1))
+
+    def put_desc(q, index, d):
+        return u8(q) + u8(2) + u16(index) + d
+
+    def put_avail(q, pos, head):
+        return u8(q) + u8(3) + u16(pos) + u16(head)
+
+    def bump(q, delta):
+        return u8(q) + u8(1) + u8(delta)
+
+    def backend_uses(q, length, jump=0):
+        # The head the relay offered last, `length` bytes written.
+        return u8(q) + u8(6) + u8(1) + u8(0) + u32(length) + u8(jump)
+
+    PASS = u8(0) + u8(4)
+    request = (put_desc(1, 0, desc(addr_page0(1), len_u8(44), F_NEXT, 1)) +
+               put_desc(1, 1, desc(addr_page0(2), len_u16(4096), F_WRITE)) +
+               put_avail(1, 0, 0) + bump(1, 1) + PASS)
+    return {
+        "request_and_reply": mem + queues + request + backend_uses(1, 100) + PASS,
+        "reply_too_long": mem + queues + request + backend_uses(1, 1 << 30) + PASS,
+        "used_index_jumps": mem + queues + request + backend_uses(1, 16, 250) + PASS,
+        "write_then_read": mem + queues + (
+            put_desc(1, 0, desc(addr_page0(2), len_u8(8), F_WRITE_NEXT, 1)) +
+            put_desc(1, 1, desc(addr_page0(1), len_u8(8), F_NONE)) +
+            put_avail(1, 0, 0) + bump(1, 1) + PASS),
+    }
+
+
 def main():
     for target, fn in [("snapshot_state", snapshot_state), ("vsock_packet", vsock_packet), ("vsock_connection", vsock_connection),
                        ("vsock_muxer", vsock_muxer), ("virtio_mmio", virtio_mmio),
                        ("desc_chain", desc_chain), ("control_frames", control_frames),
-                       ("changes_tar", changes_tar)]:
+                       ("changes_tar", changes_tar), ("fs_relay", fs_relay)]:
         d = os.path.join(HERE, target)
         os.makedirs(d, exist_ok=True)
         for old in os.listdir(d):
