@@ -110,7 +110,7 @@ fuzz_target!(|data: &[u8]| {
                 shadow.write_obj(len, GuestAddress(at + 4)).unwrap();
                 let jump = match inp.u8() {
                     0..=239 => 1,
-                    j => u16::from(j) * 300,
+                    j => (u16::from(j) - 239) * 300,
                 };
                 shadow
                     .write_obj(used.wrapping_add(jump), GuestAddress(s_used + 2))
