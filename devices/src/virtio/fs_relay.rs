@@ -722,6 +722,10 @@ mod tests {
         r.mem.read_slice(&mut a, GuestAddress(0x9000)).unwrap();
         r.mem.read_slice(&mut b, GuestAddress(0x20_0000)).unwrap();
         assert_eq!((&a, &b), (b"the ", b"reply!"));
+        // Each descriptor got only its own length: the byte after the first is untouched.
+        let mut after = [0xffu8; 1];
+        r.mem.read_slice(&mut after, GuestAddress(0x9004)).unwrap();
+        assert_eq!(after, [0]);
         assert_eq!(line.count(), 1);
         assert_eq!(r.rings[0].in_flight(), 0);
         assert_eq!(r.space.free, BTreeMap::from([(DATA_START, DATA_LEN)]));
