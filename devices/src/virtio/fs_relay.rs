@@ -384,7 +384,7 @@ impl Relay {
             }
         }
         if used {
-            signal_if_due(&mut ring.guest, mem, interrupt);
+            interrupt.signal_used_if_due(&mut ring.guest, mem, "virtio-fs");
         }
     }
 
@@ -445,7 +445,7 @@ impl Relay {
             used = true;
         }
         if used {
-            signal_if_due(&mut ring.guest, mem, interrupt);
+            interrupt.signal_used_if_due(&mut ring.guest, mem, "virtio-fs");
         }
     }
 }
@@ -575,19 +575,6 @@ fn copy_back(
     }
     // At most DATA_LEN.
     done as u32
-}
-
-/// Interrupt the guest for the buffers just used on `queue`, if it asked for one.
-fn signal_if_due(queue: &mut Queue, mem: &GuestMemoryMmap, interrupt: &InterruptStatus) {
-    let due = queue.needs_notification(mem).unwrap_or_else(|e| {
-        tracing::warn!("virtio-fs: used_event: {e:?}");
-        true
-    });
-    if due {
-        if let Err(e) = interrupt.signal_used_queue() {
-            tracing::warn!("virtio-fs: interrupt: {e}");
-        }
-    }
 }
 
 #[cfg(test)]

@@ -266,6 +266,27 @@ impl InterruptStatus {
         self.line.trigger()
     }
 
+    /// The device just used buffers on `queue`: interrupt if the driver asked for it (always
+    /// without `EVENT_IDX`; with it, when this batch passed its `used_event`). `device` names
+    /// the device in a warning.
+    pub fn signal_used_if_due(
+        &self,
+        queue: &mut virtio_queue::Queue,
+        mem: &vm_memory::GuestMemoryMmap,
+        device: &str,
+    ) {
+        use virtio_queue::QueueT;
+        let due = queue.needs_notification(mem).unwrap_or_else(|e| {
+            tracing::warn!("{device}: used_event: {e:?}");
+            true
+        });
+        if due {
+            if let Err(e) = self.signal_used_queue() {
+                tracing::warn!("{device}: interrupt: {e}");
+            }
+        }
+    }
+
     /// The device changed its config space: bump the generation (so a driver reading the config
     /// across the change notices), set [`VIRTIO_MMIO_INT_CONFIG`] and trigger.
     pub fn signal_config_change(&self) -> io::Result<()> {

@@ -400,7 +400,8 @@ where
             progressed = false;
         }
         if used {
-            Self::signal_if_due(&mut self.tx, &self.mem, &self.interrupt);
+            self.interrupt
+                .signal_used_if_due(&mut self.tx, &self.mem, "vsock");
         }
     }
 
@@ -465,24 +466,8 @@ where
             used = true;
         }
         if used {
-            Self::signal_if_due(&mut self.rx, &self.mem, &self.interrupt);
-        }
-    }
-
-    /// Interrupt the guest for the buffers just used on `queue`, if it asked for one: always
-    /// without `EVENT_IDX`; with it, when this batch passed its `used_event`.
-    fn signal_if_due(queue: &mut Queue, mem: &GuestMemoryMmap, interrupt: &InterruptStatus) {
-        let due = match queue.needs_notification(mem) {
-            Ok(due) => due,
-            Err(e) => {
-                tracing::warn!("vsock: used_event: {e:?}");
-                true
-            }
-        };
-        if due {
-            if let Err(e) = interrupt.signal_used_queue() {
-                tracing::warn!("vsock: interrupt: {e}");
-            }
+            self.interrupt
+                .signal_used_if_due(&mut self.rx, &self.mem, "vsock");
         }
     }
 
