@@ -34,22 +34,6 @@ use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 /// Far more chains than a queue can hold: a TX pass that takes this many does not end.
 const MAX_POPS_PER_PASS: usize = 1 << 17;
 
-fn queue(mem: &GuestMemoryMmap, inp: &mut Input) -> Option<Queue> {
-    let mut q = Queue::new(QUEUE_SIZE).expect("queue");
-    let size = match inp.u8() % 4 {
-        0..=2 => 1u16 << (inp.u8() % 9),
-        _ => inp.u16(),
-    };
-    q.try_set_size(size).ok()?;
-    // Split-ring alignment: 16 for the table, 2 for avail, 4 for used.
-    let _ = q.try_set_desc_table_address(GuestAddress(addr(inp) & !0xf));
-    let _ = q.try_set_avail_ring_address(GuestAddress(addr(inp) & !0x1));
-    let _ = q.try_set_used_ring_address(GuestAddress(addr(inp) & !0x3));
-    q.set_event_idx(inp.bool());
-    q.set_ready(true);
-    q.is_valid(mem).then_some(q)
-}
-
 /// Every descriptor of a chain, checking the length bound.
 fn walk(q_size: u16, chain: impl Iterator<Item = Descriptor>) -> Vec<Descriptor> {
     let descs: Vec<Descriptor> = chain.collect();
@@ -131,11 +115,11 @@ fuzz_target!(|data: &[u8]| {
     let mut inp = Input::new(data);
     let mem = guest_mem();
     scribble(&mem, &mut inp);
-    let Some(mut rx) = queue(&mem, &mut inp) else {
+    let Some(mut rx) = driver_queue(&mem, &mut inp, QUEUE_SIZE) else {
         trace!("RX queue invalid");
         return;
     };
-    let Some(mut tx) = queue(&mem, &mut inp) else {
+    let Some(mut tx) = driver_queue(&mem, &mut inp, QUEUE_SIZE) else {
         trace!("TX queue invalid");
         return;
     };

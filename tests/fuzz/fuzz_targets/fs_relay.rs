@@ -23,7 +23,7 @@ use amvm_fuzz::*;
 use libfuzzer_sys::fuzz_target;
 use std::sync::Arc;
 use virtio_queue::desc::RawDescriptor;
-use virtio_queue::{Queue, QueueT};
+use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
 #[derive(Debug)]
@@ -34,28 +34,13 @@ impl Interrupt for NoLine {
     }
 }
 
-fn queue(mem: &GuestMemoryMmap, inp: &mut Input) -> Option<Queue> {
-    let mut q = Queue::new(1024).expect("queue");
-    let size = match inp.u8() % 4 {
-        0..=2 => 1u16 << (inp.u8() % 9),
-        _ => inp.u16(),
-    };
-    q.try_set_size(size).ok()?;
-    let _ = q.try_set_desc_table_address(GuestAddress(addr(inp) & !0xf));
-    let _ = q.try_set_avail_ring_address(GuestAddress(addr(inp) & !0x1));
-    let _ = q.try_set_used_ring_address(GuestAddress(addr(inp) & !0x3));
-    q.set_event_idx(inp.bool());
-    q.set_ready(true);
-    q.is_valid(mem).then_some(q)
-}
-
 fuzz_target!(|data: &[u8]| {
     let mut inp = Input::new(data);
     let mem = guest_mem();
     scribble(&mem, &mut inp);
     let mut queues = Vec::new();
     for _ in 0..2 {
-        let Some(q) = queue(&mem, &mut inp) else {
+        let Some(q) = driver_queue(&mem, &mut inp, 1024) else {
             trace!("queue invalid");
             return;
         };
@@ -66,8 +51,8 @@ fuzz_target!(|data: &[u8]| {
         .iter()
         .map(|q| (q.size(), q.desc_table(), q.avail_ring()))
         .collect();
-    let shadow = GuestMemoryMmap::from_ranges(&[(GuestAddress(0), SHADOW_LEN as usize)])
-        .expect("shadow");
+    let shadow =
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(0), SHADOW_LEN as usize)]).expect("shadow");
     let interrupt = Arc::new(InterruptStatus::new(Arc::new(NoLine)));
     let mut relay =
         Relay::standalone(mem.clone(), shadow.clone(), queues, interrupt).expect("relay");
@@ -123,7 +108,10 @@ fuzz_target!(|data: &[u8]| {
             }
         }
         for i in 0..2 {
-            assert!(relay.in_flight(i) <= usize::from(SLOTS), "ring {i} over its slots");
+            assert!(
+                relay.in_flight(i) <= usize::from(SLOTS),
+                "ring {i} over its slots"
+            );
         }
     }
 });

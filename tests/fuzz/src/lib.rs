@@ -182,6 +182,25 @@ pub fn len(inp: &mut Input) -> u32 {
     }
 }
 
+/// A queue of at most `max_size` entries as a driver could program it: a size class `u8` (then
+/// `u8` or `u16`), three ring addresses ([`addr`], aligned down as split rings need),
+/// `event_idx: bool`; `None` unless it passes `Queue::is_valid`, as the transport requires.
+pub fn driver_queue(mem: &GuestMemoryMmap, inp: &mut Input, max_size: u16) -> Option<Queue> {
+    let mut q = Queue::new(max_size).expect("queue");
+    let size = match inp.u8() % 4 {
+        0..=2 => 1u16 << (inp.u8() % 9),
+        _ => inp.u16(),
+    };
+    q.try_set_size(size).ok()?;
+    // Split-ring alignment: 16 for the table, 2 for avail, 4 for used.
+    let _ = q.try_set_desc_table_address(GuestAddress(addr(inp) & !0xf));
+    let _ = q.try_set_avail_ring_address(GuestAddress(addr(inp) & !0x1));
+    let _ = q.try_set_used_ring_address(GuestAddress(addr(inp) & !0x3));
+    q.set_event_idx(inp.bool());
+    q.set_ready(true);
+    q.is_valid(mem).then_some(q)
+}
+
 /// Descriptor flags (virtio_ring.h).
 pub const F_NEXT: u16 = 1;
 pub const F_WRITE: u16 = 2;
