@@ -325,7 +325,7 @@ fn virtiofsd_saves_its_state_and_a_new_one_loads_it() {
     std::fs::write(dir.join("sub/file"), "kept").unwrap();
     let policy = amvm::seccomp::Policy::new(false).unwrap();
     let serve = || {
-        let (d, stream) = Virtiofsd::spawn(&bin, &dir, false, false, &[], &policy)
+        let (d, stream) = Virtiofsd::spawn(&bin, &dir, false, false, &[], &policy, None)
             .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
         let fs = VhostUserFs::new("workspace", stream).expect("the vhost-user handshake");
         (d, fs)

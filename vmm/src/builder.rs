@@ -222,8 +222,18 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
             Some(merged) if tag == crate::config::TAG_WORKSPACE => (merged, true),
             _ => (dir, *writable),
         };
-        let (backend, stream) =
-            Virtiofsd::spawn(&cfg.virtiofsd, dir, stable, writable, &ids, &policy)?;
+        // A sandbox's directory (its session socket's) holds the vhost-user socket for the
+        // moment it is bound, so nothing is left outside it whenever this process dies.
+        let socket_dir = cfg.session.as_deref().and_then(Path::parent);
+        let (backend, stream) = Virtiofsd::spawn(
+            &cfg.virtiofsd,
+            dir,
+            stable,
+            writable,
+            &ids,
+            &policy,
+            socket_dir,
+        )?;
         backends.push(backend);
         fs_streams.push((tag, stream));
     }

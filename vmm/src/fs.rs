@@ -188,6 +188,9 @@ impl Virtiofsd {
     /// user may be editing) for about a second (`--cache=auto`).
     /// `ids`: `--translate-uid`/`--translate-gid` arguments ([`translate_ids`]), for the
     /// workspace.
+    /// `socket_dir`: a directory private to this VM that goes with it (a sandbox's own), where
+    /// the vhost-user socket is bound for a moment; without one, a directory of its own is made
+    /// (see [`private_socket`]).
     pub fn spawn(
         bin: &Path,
         dir: &Path,
@@ -195,11 +198,12 @@ impl Virtiofsd {
         writable: bool,
         ids: &[String],
         policy: &Policy,
+        socket_dir: Option<&Path>,
     ) -> Result<(Virtiofsd, UnixStream), FsError> {
         if !bin.is_file() {
             return Err(FsError::NotFound(bin.to_owned()));
         }
-        let (listener, stream) = private_socket().map_err(FsError::Socket)?;
+        let (listener, stream) = private_socket(socket_dir).map_err(FsError::Socket)?;
         let fd = listener.as_raw_fd();
         let mut cmd = Command::new(bin);
         cmd.arg(format!("--fd={fd}"))
@@ -332,7 +336,23 @@ impl Drop for Virtiofsd {
 }
 
 /// A listening socket and a connection to it, with no trace left in the filesystem.
-fn private_socket() -> io::Result<(UnixListener, UnixStream)> {
+///
+/// In `dir` (private to this VM and removed with it: a sandbox's directory) the socket is bound
+/// there for a moment, so even a VMM killed in that moment leaves nothing its sandbox's removal
+/// does not take. Without one, a directory of its own is made for it in [`socket_base`] and
+/// removed at once.
+fn private_socket(dir: Option<&Path>) -> io::Result<(UnixListener, UnixStream)> {
+    if let Some(dir) = dir {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static N: AtomicU32 = AtomicU32::new(0);
+        let path = dir.join(format!("fs-{}.sock", N.fetch_add(1, Ordering::Relaxed)));
+        // Nothing else binds in a sandbox's directory; a file of that name is a leftover.
+        let _ = std::fs::remove_file(&path);
+        let result =
+            UnixListener::bind(&path).and_then(|l| UnixStream::connect(&path).map(|s| (l, s)));
+        let _ = std::fs::remove_file(&path);
+        return result;
+    }
     let base = socket_base();
     let mut last = None;
     for _ in 0..16 {
@@ -516,14 +536,20 @@ mod tests {
                 .count()
         };
         assert_eq!(ours(), 0);
-        let (l, mut s) = private_socket().unwrap();
-        let (mut peer, _) = l.accept().unwrap();
-        use std::io::Write;
-        s.write_all(b"x").unwrap();
-        let mut b = [0u8; 1];
-        peer.read_exact(&mut b).unwrap();
-        assert_eq!(&b, b"x");
-        assert_eq!(ours(), 0);
+        let sandbox = std::env::temp_dir().join(format!("amvm-fs-sock-{}", std::process::id()));
+        std::fs::create_dir_all(&sandbox).unwrap();
+        for dir in [None, Some(sandbox.as_path())] {
+            let (l, mut s) = private_socket(dir).unwrap();
+            let (mut peer, _) = l.accept().unwrap();
+            use std::io::Write;
+            s.write_all(b"x").unwrap();
+            let mut b = [0u8; 1];
+            peer.read_exact(&mut b).unwrap();
+            assert_eq!(&b, b"x");
+            assert_eq!(ours(), 0);
+        }
+        assert_eq!(std::fs::read_dir(&sandbox).unwrap().count(), 0);
+        std::fs::remove_dir(&sandbox).unwrap();
     }
 
     #[test]
@@ -535,6 +561,7 @@ mod tests {
             false,
             &[],
             &Policy::new(false).unwrap(),
+            None,
         )
         .unwrap_err();
         assert!(e.to_string().contains("/nonexistent/virtiofsd"), "{e}");
