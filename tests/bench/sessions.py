@@ -19,24 +19,48 @@ Rows, each a median over RUNS (a fresh sandbox per run):
 * cold start vs restore, to the first exec's exit: `amvm create` + `amvm exec ID -- true` against
   `amvm create --from SNAPSHOT` + `amvm exec ID -- true` (the snapshot of the idle sandbox);
 * `amvm fork -n 5` of the idle sandbox (once, the first run): its wall clock, and the five forks'
-  host PSS together against one sandbox's.
+  host PSS together against one sandbox's;
+* with --firecracker, each run also boots Firecracker (tests/bench/firecracker) on the same kernel
+  with a static init that answers on vsock port 52 from a forked child (tests/bench/vsock-init.c),
+  to that first answer; pauses it, writes a Full snapshot, resumes it (timed together); kills it;
+  and starts a new Firecracker that loads the snapshot (its memory file mapped) to the first
+  answer: Firecracker's restore against its own cold start, and ours against Firecracker's.
 """
 import argparse, json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
 
 
-def post(sock_path, path):
+def http(sock_path, method, path, body=None):
+    """One HTTP/1.1 request on a unix socket (amvm's API, Firecracker's); the answer's body. The
+    answer ends where its Content-Length says, at its head for a 204, else where the server
+    closes (Firecracker keeps a connection open)."""
+    data = json.dumps(body).encode() if body is not None else b""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(sock_path)
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: amvm\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".encode())
-    answer = b""
-    while True:
+    s.sendall(f"{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n".encode() + data)
+    answer, want = b"", None
+    while want is None or len(answer) < want:
         b = s.recv(65536)
         if not b:
             break
         answer += b
+        head, sep, _ = answer.partition(b"\r\n\r\n")
+        if sep and want is None:
+            lines = head.split(b"\r\n")
+            length = [l.split(b":", 1)[1] for l in lines[1:] if l.lower().startswith(b"content-length:")]
+            if length:
+                want = len(head) + 4 + int(length[0])
+            elif lines[0].split(b" ")[1:2] == [b"204"]:
+                want = len(head) + 4
     s.close()
-    if not answer.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"{path}: {answer[:200]!r}")
+    status = answer.split(b" ", 2)[1:2]
+    if status not in ([b"200"], [b"204"]):
+        raise RuntimeError(f"{method} {path}: {answer[:300]!r}")
+    return answer.partition(b"\r\n\r\n")[2]
+
+
+def post(sock_path, path):
+    http(sock_path, "POST", path)
 
 
 def cpu_s(pid):
@@ -80,12 +104,119 @@ def shmem_mib():
     return 0.0
 
 
+def wait_api(path, proc, what, timeout=60):
+    """Until Firecracker's API socket takes a connection (it exists a moment before it listens)."""
+    until = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: firecracker exited with {proc.returncode}")
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.connect(path)
+                return
+        except OSError as e:
+            if time.monotonic() > until:
+                raise RuntimeError(f"{what}: {path}: {e} after {timeout} s") from None
+        time.sleep(0.002)
+
+
+def first_answer(uds, proc, what, timeout=120):
+    """Connect through Firecracker's vsock socket (`CONNECT 52`) until the guest's init answers
+    "ok" (tests/bench/vsock-init.c): the peer's first exec output."""
+    until = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what}: firecracker exited with {proc.returncode}")
+        if time.monotonic() > until:
+            raise RuntimeError(f"{what}: no answer on vsock port 52 after {timeout} s")
+        buf = b""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(10)
+                s.connect(uds)
+                s.sendall(b"CONNECT 52\n")
+                while b"\nok\n" not in buf:
+                    b = s.recv(4096)
+                    if not b:
+                        break
+                    buf += b
+        except OSError:
+            pass
+        if buf.startswith(b"OK ") and buf.endswith(b"\nok\n"):
+            return
+        time.sleep(0.005)
+
+
+def firecracker_round(fc, kernel, initrd, mem, tmp, n):
+    """Firecracker on the same guest kernel, its init answering on vsock: boot to the first
+    answer; pause + Full snapshot + resume; the original killed (its vsock socket is the path the
+    snapshot names); then a new Firecracker loading the snapshot (its memory file mapped, as ours)
+    to the first answer. Returns (cold s, snapshot s, memory file MiB on disk, restore s)."""
+    d = os.path.join(tmp, f"fc{n}")
+    os.makedirs(d)
+    api, uds, cfg = (os.path.join(d, f) for f in ("api.sock", "v.sock", "config.json"))
+    with open(cfg, "w") as f:
+        json.dump({
+            "boot-source": {"kernel_image_path": kernel, "initrd_path": initrd,
+                            "boot_args": "console=ttyS0 reboot=k panic=-1 quiet rdinit=/init"},
+            "drives": [],
+            "machine-config": {"vcpu_count": 1, "mem_size_mib": mem},
+            "vsock": {"guest_cid": 3, "uds_path": uds},
+        }, f)
+    log = open(os.path.join(d, "log"), "w")
+    procs = []
+    try:
+        t0 = time.monotonic()
+        p = subprocess.Popen([fc, "--api-sock", api, "--config-file", cfg, "--level", "Error"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+        procs.append(p)
+        first_answer(uds, p, "firecracker boot")
+        cold = time.monotonic() - t0
+        time.sleep(1)
+        wait_api(api, p, "firecracker snapshot")
+        state, memory = os.path.join(d, "state"), os.path.join(d, "memory")
+        t0 = time.monotonic()
+        http(api, "PATCH", "/vm", {"state": "Paused"})
+        http(api, "PUT", "/snapshot/create",
+             {"snapshot_type": "Full", "snapshot_path": state, "mem_file_path": memory})
+        http(api, "PATCH", "/vm", {"state": "Resumed"})
+        snap = time.monotonic() - t0
+        size = os.stat(memory).st_blocks * 512 / (1 << 20)
+        p.kill()
+        p.wait()
+        for f in (api, uds):
+            os.unlink(f)
+        t0 = time.monotonic()
+        q = subprocess.Popen([fc, "--api-sock", api, "--level", "Error"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+        procs.append(q)
+        wait_api(api, q, "firecracker restore")
+        http(api, "PUT", "/snapshot/load",
+             {"snapshot_path": state, "mem_backend": {"backend_type": "File", "backend_path": memory},
+              "resume_vm": True})
+        first_answer(uds, q, "firecracker restore")
+        restored = time.monotonic() - t0
+        return cold, snap, size, restored
+    except Exception as e:
+        log.flush()
+        raise RuntimeError(f"{e}; its log: {open(log.name).read()[-2000:]}") from None
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        log.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--amvm", required=True)
     ap.add_argument("--execs", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mem", type=int, default=256)
+    ap.add_argument("--firecracker", help="a Firecracker binary: its own snapshot restore beside ours")
+    ap.add_argument("--kernel", help="with --firecracker: the guest kernel it boots (ours)")
+    ap.add_argument("--initrd", help="with --firecracker: its guest's initramfs (vsock-init)")
     a = ap.parse_args()
     xdg = tempfile.mkdtemp(prefix="amvm-bench-sessions-")
     env = dict(os.environ, XDG_RUNTIME_DIR=xdg)
@@ -94,8 +225,13 @@ def main():
     api_pr, cli_pr, cpu_run, cpu_paused = [], [], [], []
     snap_s, snap_state, snap_mem = [], [], []
     cold, restored, fork_s, fork_pss, fork_shmem = [], [], [], [], []
+    fc_cold, fc_snap, fc_size, fc_restored = [], [], [], []
     try:
-        for _ in range(a.runs):
+        for n in range(a.runs):
+            if a.firecracker:
+                for into, x in zip((fc_cold, fc_snap, fc_size, fc_restored),
+                                   firecracker_round(a.firecracker, a.kernel, a.initrd, a.mem, xdg, n)):
+                    into.append(x)
             t0 = time.monotonic()
             p = run("create", "--mem", str(a.mem), "--timeout", "3600")
             if p.returncode != 0:
@@ -200,6 +336,11 @@ def main():
         print(f"{'amvm fork -n 5, ms':44} {ms(fork_s):>24}")
         print(f"{'5 forks host PSS together, MiB':44} {kib(fork_pss):>24}")
         print(f"{'5 forks: host Shmem grew by, MiB':44} {kib(fork_shmem):>24}")
+        if a.firecracker:
+            print(f"{'firecracker: boot + first vsock answer, ms':44} {ms(fc_cold):>24}")
+            print(f"{'firecracker: pause + snapshot + resume, ms':44} {ms(fc_snap):>24}")
+            print(f"{'firecracker: snapshot memory on disk, MiB':44} {kib(fc_size):>24}")
+            print(f"{'firecracker: load + first vsock answer, ms':44} {ms(fc_restored):>24}")
         print(f"exec vs a fresh VM: {r / e:.1f}x faster; exec vs an in-guest spawn: {e / i:.1f}x; "
               f"idle PSS is {m / a.mem * 100:.1f}% of the {a.mem} MiB guest")
         print(f"SUMMARY|sandbox: amvm exec -- true|{e * 1e3:.1f} ms|{r * 1e3:.1f} ms (amvm run -- true)|{e / r:.2f}|")
@@ -209,6 +350,10 @@ def main():
         print(f"SUMMARY|sandbox: pause + resume (API)|{pr * 1e3:.1f} ms|{e * 1e3:.1f} ms (amvm exec -- true)|{pr / e:.2f}|")
         c, rs = statistics.median(cold), statistics.median(restored)
         print(f"SUMMARY|sandbox: restore to first exec ({a.mem} MiB)|{rs * 1e3:.1f} ms|{c * 1e3:.1f} ms (cold create to first exec)|{rs / c:.2f}|")
+        if a.firecracker:
+            fc, fr = statistics.median(fc_cold), statistics.median(fc_restored)
+            print(f"SUMMARY|sandbox: firecracker restore to first answer ({a.mem} MiB)|{fr * 1e3:.1f} ms|{fc * 1e3:.1f} ms (its boot to first answer)|{fr / fc:.2f}|")
+            print(f"SUMMARY|sandbox: amvm restore vs firecracker's ({a.mem} MiB)|{rs * 1e3:.1f} ms|{fr * 1e3:.1f} ms (firecracker load to first answer)|{rs / fr:.2f}|")
         # PSS counts the pages a process maps, shared ones divided among their mappers (a
         # fork's RAM is the fork snapshot's file mapped copy-on-write); Shmem adds what sits in
         # tmpfs files and memfds mapped by no one (that file's pages no fork touched, if the
