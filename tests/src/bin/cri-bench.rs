@@ -28,6 +28,19 @@ fn process_with(needles: &[&str]) -> Option<u32> {
     })
 }
 
+/// The fields of /proc/PID/stat after the command's closing parenthesis (state, ppid, ...: the
+/// third field of stat(5) is the first here), or nothing for a process gone.
+fn stat_fields(stat: &std::path::Path) -> Vec<u64> {
+    let text = std::fs::read_to_string(stat).unwrap_or_default();
+    let Some((_, rest)) = text.rsplit_once(')') else {
+        return Vec::new();
+    };
+    // The state is a letter: 0 holds its place.
+    rest.split_whitespace()
+        .map(|f| f.parse::<u64>().unwrap_or(0))
+        .collect()
+}
+
 /// `pid` and every process below it.
 fn tree(pid: u32) -> Vec<u32> {
     let mut parent = std::collections::HashMap::<u32, Vec<u32>>::new();
@@ -35,14 +48,8 @@ fn tree(pid: u32) -> Vec<u32> {
         let Some(p) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
             continue;
         };
-        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
-        // The fields after the command's closing parenthesis: state, ppid, ...
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|p| p.parse::<u32>().ok());
-        if let Some(pp) = ppid {
-            parent.entry(pp).or_default().push(p);
+        if let Some(&ppid) = stat_fields(&e.path().join("stat")).get(1) {
+            parent.entry(ppid as u32).or_default().push(p);
         }
     }
     let mut all = vec![pid];
@@ -75,12 +82,9 @@ fn cpu_secs(pids: &[u32]) -> f64 {
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     let ticks: u64 = pids
         .iter()
-        .filter_map(|p| std::fs::read_to_string(format!("/proc/{p}/stat")).ok())
-        .filter_map(|stat| {
-            // After the command's closing parenthesis: state is field 3, utime 14, stime 15.
-            let rest: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-            Some(rest.get(11)?.parse::<u64>().ok()? + rest.get(12)?.parse::<u64>().ok()?)
-        })
+        .map(|p| stat_fields(std::path::Path::new(&format!("/proc/{p}/stat"))))
+        // stat(5): utime is field 14, stime 15 (here 11 and 12).
+        .filter_map(|f| Some(f.get(11)? + f.get(12)?))
         .sum();
     ticks as f64 / hz
 }
