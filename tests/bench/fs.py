@@ -5,6 +5,12 @@ The same shell commands run on the host and in the guest against the same direct
 --workspace): `cat big > /dev/null` and `find small -type f -exec cat {} + > /dev/null` (a stat
 and a read of every file). Guest times come from /proc/uptime inside the guest, so they exclude
 boot; the host's from the same clock around the same commands.
+
+Then the relay rows: a restored sandbox's virtio-fs requests go through the VMM's relay (two
+copies and two thread wake-ups each; docs/DESIGN.md, "Snapshots"), a booted one's go to virtiofsd
+directly. One sandbox (512 MiB, the same workspace) is booted, snapshotted and restored; per run
+each of the two, its guest's caches and the host's dropped, walks RELAY_TREE twice over the system
+root (cold, warm) and reads `big` cold; the restored figure against the booted one's.
 """
 import argparse, os, shutil, statistics, subprocess, sys, tempfile
 
@@ -52,6 +58,7 @@ def main():
     ap.add_argument("--big", type=int, default=1 << 30)
     ap.add_argument("--small", type=int, default=10000)
     ap.add_argument("--tree", default="/usr", help="the tree the metadata rows walk")
+    ap.add_argument("--relay-tree", default="/usr/share", help="the tree the relay rows walk")
     a = ap.parse_args()
     d = tempfile.mkdtemp(prefix="amvm-bench-fs-")
     os.chmod(d, 0o755)  # the guest's workload is not root: it must be able to enter it
@@ -109,6 +116,9 @@ def main():
                 for temp, h, g in zip(temps, host, guest):
                     rows[key(where, temp)][0].append(h)
                     rows[key(where, temp)][1].append(g)
+        relay = relay_rows(a, d)
+        if relay is None:
+            return 1
         print(f"\nvirtio-fs benchmark: {a.runs} runs, medians (min-max), seconds")
         print(f"{'row':44} {'host':>20} {'guest (virtio-fs)':>22} {'guest/host':>11}")
         for name, (host, guest) in rows.items():
@@ -118,9 +128,51 @@ def main():
         mib = a.big / (1 << 20)
         h, g = statistics.median(rows[big_row][0]), statistics.median(rows[big_row][1])
         print(f"sequential read throughput: host {mib / h:.1f} MiB/s, guest {mib / g:.1f} MiB/s")
+        print(f"\n{'row':44} {'booted sandbox':>20} {'restored (relay)':>22} {'relay/booted':>13}")
+        for name, (booted, restored) in relay.items():
+            b, r = statistics.median(booted), statistics.median(restored)
+            print(f"{name:44} {b:8.3f} ({min(booted):.3f}-{max(booted):.3f}) {r:9.3f} ({min(restored):.3f}-{max(restored):.3f}) {r / b:13.2f}")
+            print(f"SUMMARY|files: relay, {name}|{r:.3f} s|{b:.3f} s (booted sandbox)|{r / b:.2f}|")
         return 0
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def relay_rows(a, d):
+    """The relay rows (see the module's doc): {row: (booted seconds, restored seconds)}, or None
+    after saying what failed."""
+    xdg = tempfile.mkdtemp(prefix="amvm-bench-relay-")
+    env = dict(os.environ, XDG_RUNTIME_DIR=xdg)
+    amvm = lambda *args: subprocess.run([a.amvm, *args], env=env, capture_output=True, text=True)
+    n = subprocess.run(["sh", "-c", f"find {a.relay_tree} | wc -l"], capture_output=True, text=True).stdout.strip()
+    walk, cold, warm, big = f"find {n} entries, system root", "cold", "warm", f"{a.big / (1 << 20):.0f} MiB read, cold"
+    rows = {f"{walk}, {cold}": ([], []), f"{walk}, {warm}": ([], []), big: ([], [])}
+    try:
+        for step in (["create", "--name", "booted", "--mem", "512", "--timeout", "3600", "--workspace", d],
+                     ["exec", "booted", "--", "true"], ["snapshot", "booted", os.path.join(xdg, "snap")],
+                     ["create", "--from", os.path.join(xdg, "snap"), "--name", "restored"]):
+            p = amvm(*step)
+            if p.returncode != 0:
+                print(f"relay rows: amvm {' '.join(step)}: exited {p.returncode}: {p.stderr}", file=sys.stderr)
+                return None
+        find = f"find {a.relay_tree} > /dev/null"
+        for _ in range(a.runs):
+            for side, sandbox in enumerate(("booted", "restored")):
+                for cmd, names in ((timed(find) + "; " + timed(find), (f"{walk}, {cold}", f"{walk}, {warm}")),
+                                   (timed("cat /workspace/big > /dev/null"), (big,))):
+                    drop = amvm("exec", sandbox, "--user", "0", "--", "sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches")
+                    drop_host_cache(d)
+                    p = amvm("exec", sandbox, "--", "sh", "-c", cmd)
+                    if drop.returncode != 0 or p.returncode != 0:
+                        print(f"relay rows: {sandbox}: {drop.stderr}{p.stderr}", file=sys.stderr)
+                        return None
+                    for name, line in zip(names, p.stdout.splitlines()):
+                        rows[name][side].append(seconds(line))
+        return rows
+    finally:
+        for sandbox in ("booted", "restored"):
+            amvm("rm", "-f", sandbox)
+        shutil.rmtree(xdg, ignore_errors=True)
 
 
 if __name__ == "__main__":
