@@ -467,6 +467,10 @@ pub struct VmArgs {
     /// for untrusted code (docs/threat-model.md).
     #[arg(long)]
     pub no_seccomp: bool,
+    /// A restore's flags (`create --from`): its guest set its `/etc` up long ago and is never
+    /// sent a run spec, so none of the host's files for it ([`config::etc_files`]) are read.
+    #[arg(skip)]
+    pub restoring: bool,
 }
 
 /// `--pull`: when `--image` pulls.
@@ -710,7 +714,7 @@ impl VmArgs {
             pids_max: self.pids,
             mounts,
             // A container's root has an /etc of its own.
-            files: if rootfs.is_some() {
+            files: if rootfs.is_some() || self.restoring {
                 Vec::new()
             } else {
                 config::etc_files(&root, uid, gid)
@@ -781,6 +785,25 @@ mod tests {
         );
         let c = parse(&["amvm", "run", "ls", "-l"]).unwrap();
         assert_eq!(c.spec.argv, vec![b"ls".to_vec(), b"-l".to_vec()]);
+    }
+
+    #[test]
+    fn a_restore_reads_no_etc_files_for_its_guest() {
+        let vm = |restoring| {
+            let cli = Cli::try_parse_from(["amvm", "create"]).unwrap();
+            let Command::Create(mut create) = cli.command else {
+                panic!("not create");
+            };
+            create.vm.restoring = restoring;
+            create
+                .vm
+                .into_config(Vec::new(), false, Some("/".into()))
+                .unwrap()
+        };
+        // A boot's guest gets its /etc (passwd, group, hosts, ... from the host's system root);
+        // a restored one has it already.
+        assert!(vm(false).spec.files.len() >= 5);
+        assert!(vm(true).spec.files.is_empty());
     }
 
     #[test]

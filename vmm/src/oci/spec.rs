@@ -301,6 +301,7 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         huge_pages: false,
         no_huge_pages: false,
         no_seccomp: false,
+        restoring: false,
     };
     if let Some(e) = &vm.egress {
         if !e.exists() {

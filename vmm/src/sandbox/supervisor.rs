@@ -196,9 +196,10 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
     if vm.console {
         argv.push("--console".into());
     }
-    let rebuilt = Line::try_parse_from(argv)
+    let mut rebuilt = Line::try_parse_from(argv)
         .map_err(|e| SandboxError::Snapshot(format!("the snapshot's settings: {}", e.kind())))?
         .args;
+    rebuilt.vm.restoring = true;
     let c = check(
         CreateArgs {
             name: args.name,
