@@ -151,19 +151,28 @@ def qemu_argv(kernel, initrd, mem):
     ]
 
 
+def firecracker_config(path, kernel, initrd, mem, vsock_uds=None):
+    """Write Firecracker's config file to PATH: KERNEL booted to INITRD's /init on 1 vCPU and MEM
+    MiB, reboot=k (the guest's keyboard-controller reset is Firecracker's exit); with VSOCK_UDS,
+    a vsock device whose host side is that unix socket (tests/bench/sessions)."""
+    import json
+    cfg = {
+        "boot-source": {"kernel_image_path": kernel, "initrd_path": initrd,
+                        "boot_args": "console=ttyS0 reboot=k panic=-1 quiet rdinit=/init"},
+        "drives": [],
+        "machine-config": {"vcpu_count": 1, "mem_size_mib": mem},
+    }
+    if vsock_uds:
+        cfg["vsock"] = {"guest_cid": 3, "uds_path": vsock_uds}
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
 def firecracker_argv(fc, kernel, initrd, mem, tmp):
     """The second peer: Firecracker (tests/bench/firecracker) booting KERNEL to the same
-    initramfs, no API socket, its config in a file; reboot=k: the guest's keyboard-controller
-    reset is Firecracker's exit."""
-    import json
+    initramfs, no API socket, its config in a file."""
     cfg = os.path.join(tmp, f"firecracker-{mem}.json")
-    with open(cfg, "w") as f:
-        json.dump({
-            "boot-source": {"kernel_image_path": kernel, "initrd_path": initrd,
-                            "boot_args": "console=ttyS0 reboot=k panic=-1 quiet rdinit=/init"},
-            "drives": [],
-            "machine-config": {"vcpu_count": 1, "mem_size_mib": mem},
-        }, f)
+    firecracker_config(cfg, kernel, initrd, mem)
     return [fc, "--no-api", "--config-file", cfg, "--level", "Error"]
 
 

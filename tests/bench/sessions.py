@@ -28,6 +28,8 @@ Rows, each a median over RUNS (a fresh sandbox per run):
 """
 import argparse, json, os, shutil, socket, statistics, subprocess, sys, tempfile, time
 
+from boot import firecracker_config  # tests/bench/boot.py: the boot bench's Firecracker config
+
 
 def http(sock_path, method, path, body=None):
     """One HTTP/1.1 request on a unix socket (amvm's API, Firecracker's); the answer's body. The
@@ -155,14 +157,7 @@ def firecracker_round(fc, kernel, initrd, mem, tmp, n):
     d = os.path.join(tmp, f"fc{n}")
     os.makedirs(d)
     api, uds, cfg = (os.path.join(d, f) for f in ("api.sock", "v.sock", "config.json"))
-    with open(cfg, "w") as f:
-        json.dump({
-            "boot-source": {"kernel_image_path": kernel, "initrd_path": initrd,
-                            "boot_args": "console=ttyS0 reboot=k panic=-1 quiet rdinit=/init"},
-            "drives": [],
-            "machine-config": {"vcpu_count": 1, "mem_size_mib": mem},
-            "vsock": {"guest_cid": 3, "uds_path": uds},
-        }, f)
+    firecracker_config(cfg, kernel, initrd, mem, vsock_uds=uds)
     log = open(os.path.join(d, "log"), "w")
     procs = []
     try:
