@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
 
+pub mod block;
 pub mod fs;
 #[doc(hidden)]
 pub mod fs_relay;

@@ -401,11 +401,58 @@ def fs_relay():
     }
 
 
+def block():
+    """tests/fuzz/fuzz_targets/block.rs: steps are `kind`, then fields."""
+    mem = scribble([])
+    # One queue of 16 entries in region 1 pages 0-2, event_idx off.
+    queue = u8(0) + u8(4) + addr_page1(0) + addr_page1(1) + addr_page1(2) + u8(0)
+
+    def put_desc(index, d):
+        return u8(2) + u16(index) + d
+
+    def put_avail(pos, head):
+        return u8(3) + u16(pos) + u16(head)
+
+    def header(page, kind, sector):
+        return u8(4) + addr_page0(page) + u8(kind) + u8(1) + u8(sector)
+
+    PASS = u8(5)
+    bump = u8(1) + u8(1)
+    # Read sectors 2-3 into page 3 (1024 bytes), status in page 4.
+    read = (header(1, 0, 2) +
+            put_desc(0, desc(addr_page0(1), len_u8(16), F_NEXT, 1)) +
+            put_desc(1, desc(addr_page0(3), len_u16(1024), F_WRITE_NEXT, 2)) +
+            put_desc(2, desc(addr_page0(4), len_u8(1), F_WRITE)) +
+            put_avail(0, 0) + bump + PASS)
+    get_id = (header(2, 8, 0) +
+              put_desc(3, desc(addr_page0(2), len_u8(16), F_NEXT, 4)) +
+              put_desc(4, desc(addr_page0(5), len_u8(20), F_WRITE_NEXT, 5)) +
+              put_desc(5, desc(addr_page0(4), len_u8(1), F_WRITE)) +
+              put_avail(1, 3) + bump + PASS)
+    write = (header(1, 1, 0) +
+             put_desc(0, desc(addr_page0(1), len_u8(16), F_NEXT, 1)) +
+             put_desc(1, desc(addr_page0(3), len_u16(512), F_NEXT, 2)) +
+             put_desc(2, desc(addr_page0(4), len_u8(1), F_WRITE)) +
+             put_avail(0, 0) + bump + PASS)
+    past_end = (header(1, 0, 63) +
+                put_desc(0, desc(addr_page0(1), len_u8(16), F_NEXT, 1)) +
+                put_desc(1, desc(addr_page0(3), len_u16(1024), F_WRITE_NEXT, 2)) +
+                put_desc(2, desc(addr_page0(4), len_u8(1), F_WRITE)) +
+                put_avail(0, 0) + bump + PASS)
+    return {
+        "read": mem + queue + read,
+        "read_then_id": mem + queue + read + get_id,
+        "write_refused": mem + queue + write,
+        "past_the_end": mem + queue + past_end,
+    }
+
+
 def main():
     for target, fn in [("snapshot_state", snapshot_state), ("vsock_packet", vsock_packet), ("vsock_connection", vsock_connection),
                        ("vsock_muxer", vsock_muxer), ("virtio_mmio", virtio_mmio),
                        ("desc_chain", desc_chain), ("control_frames", control_frames),
-                       ("changes_tar", changes_tar), ("fs_relay", fs_relay)]:
+                       ("changes_tar", changes_tar), ("fs_relay", fs_relay),
+                       ("block", block)]:
         d = os.path.join(HERE, target)
         os.makedirs(d, exist_ok=True)
         for old in os.listdir(d):
