@@ -178,6 +178,12 @@ fn bad_shares_are_refused_before_anything_starts() {
     let dir = std::env::temp_dir().join(format!("amvm-badroot-{}", std::process::id()));
     std::fs::create_dir_all(dir.join("usr")).unwrap();
     let root = dir.to_str().unwrap().to_string();
+    // Something that starts as an EROFS image does (its superblock's magic at byte 1024).
+    let image = dir.join("image.erofs");
+    let mut bytes = vec![0u8; 4096];
+    bytes[1024..1028].copy_from_slice(&0xE0F5_E1E2u32.to_le_bytes());
+    std::fs::write(&image, bytes).unwrap();
+    let erofs = format!("{}:/data:rw", image.display());
     for (args, says) in [
         (
             vec!["run", "--workspace", "/nonexistent/ws", "--", "true"],
@@ -194,6 +200,14 @@ fn bad_shares_are_refused_before_anything_starts() {
         (
             vec!["run", "--system", &root, "--", "true"],
             "has no usable /bin/sh",
+        ),
+        (
+            vec!["run", "-v", "/etc/passwd:/data", "--", "true"],
+            "/etc/passwd: not a directory, and not an EROFS image (make one with mkfs.erofs)",
+        ),
+        (
+            vec!["run", "-v", &erofs, "--", "true"],
+            ": an EROFS image is read-only; drop :rw",
         ),
     ] {
         assert_one_line_125(&amvm(&args, &[]), says);

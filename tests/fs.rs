@@ -164,6 +164,74 @@ fn guest_root_remounting_read_write_is_still_refused_by_the_host() {
     assert_eq!(ws.snapshot(), before);
 }
 
+/// `mkfs.erofs IMAGE DIR` (erofs-utils, which images/setup installs).
+fn mkfs_erofs(image: &std::path::Path, dir: &std::path::Path) {
+    let out = std::process::Command::new("mkfs.erofs")
+        .arg(image)
+        .arg(dir)
+        .output()
+        .expect("mkfs.erofs (erofs-utils; images/setup installs it)");
+    assert!(out.status.success(), "mkfs.erofs: {out:?}");
+}
+
+#[test]
+fn an_erofs_image_volume_reads_exactly_and_stays_unwritten_whatever_guest_root_does() {
+    let ws = Workspace::new("erofs");
+    let tree = ws.0.join("tree");
+    std::fs::create_dir_all(tree.join("a/b")).unwrap();
+    let data = random_bytes(5_000_000, 11);
+    std::fs::write(tree.join("big.bin"), &data).unwrap();
+    for i in 0..300 {
+        std::fs::write(tree.join(format!("a/f{i:03}")), format!("file {i}\n")).unwrap();
+    }
+    std::fs::write(tree.join("a/b/deep.txt"), b"deep\n").unwrap();
+    std::os::unix::fs::symlink("a/b/deep.txt", tree.join("link")).unwrap();
+    let image = ws.0.join("tree.erofs");
+    mkfs_erofs(&image, &tree);
+    let before = hex(&Sha256::digest(std::fs::read(&image).unwrap()));
+    let want_big = hex(&Sha256::digest(&data));
+    // As guest root: read everything, then try every way to write — the mount is read-only,
+    // a read-write remount fails (EROFS has none), and the disk itself refuses raw writes
+    // even after `blockdev --setrw` (the device said read-only; the host refuses writes too).
+    let script = "cd /data && sha256sum big.bin && cat a/f* | sha256sum && cat link && \
+        find . | sort | sha256sum && grep ' /data ' /proc/mounts | cut -d' ' -f1,3,4 | cut -d, -f1; \
+        echo x > /data/new 2>/dev/null && echo WROTE-FILE; \
+        mount -o remount,rw /data 2>/dev/null && echo REMOUNTED; \
+        blockdev --setrw /dev/vda 2>/dev/null; \
+        dd if=/dev/zero of=/dev/vda bs=4096 count=16 conv=fsync 2>/dev/null && echo WROTE-DISK; \
+        echo done";
+    let o = run_vm(
+        &["-v", &format!("{}:/data", image.display()), "--user", "0:0"],
+        &["sh", "-c", script],
+    );
+    assert_eq!(o.code, 0, "{o:?}");
+    let small: Vec<u8> = (0..300)
+        .flat_map(|i| format!("file {i}\n").into_bytes())
+        .collect();
+    let mut listing = vec![".".to_string()];
+    let mut stack = vec![tree.clone()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let p = e.path();
+            if e.file_type().unwrap().is_dir() {
+                stack.push(p.clone());
+            }
+            listing.push(format!("./{}", p.strip_prefix(&tree).unwrap().display()));
+        }
+    }
+    // `sort` in the guest's C locale: byte order.
+    listing.sort();
+    let listing = hex(&Sha256::digest(format!("{}\n", listing.join("\n"))));
+    assert_eq!(
+        o.stdout_str(),
+        format!(
+            "{want_big}  big.bin\n{}  -\ndeep\n{listing}  -\n/dev/vda erofs ro\ndone\n",
+            hex(&Sha256::digest(&small))
+        )
+    );
+    assert_eq!(hex(&Sha256::digest(std::fs::read(&image).unwrap())), before);
+}
+
 #[test]
 fn python_and_node_run_on_the_default_system_root() {
     let o = run_vm(

@@ -229,6 +229,7 @@ fn a_vm_and_its_vcpus_kvm_state_round_trips_through_the_state_file() {
         devices: DevicesState {
             transports: Vec::new(),
             shares: Vec::new(),
+            disks: Vec::new(),
         },
     };
     assert_eq!(state.vcpus[0].regs.rip, 0x100_0000, "the boot vCPU's entry");
@@ -262,6 +263,7 @@ fn a_vm_and_its_vcpus_kvm_state_round_trips_through_the_state_file() {
         devices: DevicesState {
             transports: Vec::new(),
             shares: Vec::new(),
+            disks: Vec::new(),
         },
     };
     // Each vCPU's state, field by field, as its bytes; the TSC and a deadline made of it run on.
@@ -767,6 +769,77 @@ fn forks_of_a_running_sandbox_are_each_their_own_and_the_original_goes_on() {
     assert!(o.stderr.contains("not running"), "{}", o.stderr);
     let all: serde_json::Value = serde_json::from_slice(&w.amvm(&["ls", "--json"]).stdout).unwrap();
     assert_eq!(all.as_array().unwrap().len(), 4);
+}
+
+/// A read-only EROFS disk (`-v IMAGE:GUEST`) goes into a snapshot as its image's identity: the
+/// restored guest reads on from the same image (files it never read before included, so the
+/// disk itself serves them, not the page cache it came back with); an image changed since is
+/// refused with 125 before anything runs.
+#[test]
+fn a_sandbox_s_erofs_disk_comes_back_with_its_restore_and_a_changed_image_is_refused() {
+    let w = World::new("snapshots", "disk");
+    let tree = w.xdg.join("tree");
+    std::fs::create_dir_all(&tree).unwrap();
+    std::fs::write(tree.join("before"), "read before the snapshot\n").unwrap();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let big: Vec<u8> = (0..2 << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    std::fs::write(tree.join("after"), &big).unwrap();
+    let big_sum = host_sha256(&tree.join("after"));
+    let image = w.xdg.join("tree.erofs");
+    let out = Command::new("mkfs.erofs")
+        .arg(&image)
+        .arg(&tree)
+        .output()
+        .expect("mkfs.erofs (erofs-utils; images/setup installs it)");
+    assert!(out.status.success(), "mkfs.erofs: {out:?}");
+    let volume = format!("{}:/data", image.display());
+    w.create(&["--name", "orig", "--mem", "256", "-v", &volume]);
+    assert_eq!(
+        line_of(&w, "orig", "cat /data/before"),
+        "read before the snapshot"
+    );
+    let dir = w.xdg.join("snap");
+    let d = dir.to_str().unwrap();
+    let o = w.amvm(&["snapshot", "orig", d, "--stop"]);
+    assert_eq!(o.code, 0, "{}", o.stderr);
+
+    let o = w.amvm(&["create", "--from", d, "--name", "r1"]);
+    assert_eq!(o.code, 0, "create --from: {}", o.stderr);
+    assert_eq!(
+        line_of(&w, "r1", "cat /data/before"),
+        "read before the snapshot"
+    );
+    assert_eq!(line_of(&w, "r1", "sha256sum < /data/after"), big_sum);
+    assert_eq!(w.amvm(&["rm", "-f", "r1"]).code, 0);
+
+    // The image rebuilt (a new modification time): the snapshot's guest would read blocks of
+    // another file system under its cached ones.
+    let later = std::time::SystemTime::now() + Duration::from_secs(5);
+    std::fs::File::options()
+        .write(true)
+        .open(&image)
+        .unwrap()
+        .set_modified(later)
+        .unwrap();
+    let o = w.amvm(&["create", "--from", d, "--name", "r2"]);
+    assert_eq!(o.code, 125, "{o:?}");
+    assert!(
+        o.stderr.contains("changed since the snapshot"),
+        "{}",
+        o.stderr
+    );
+    let all: serde_json::Value = serde_json::from_slice(&w.amvm(&["ls", "--json"]).stdout).unwrap();
+    assert!(
+        all.as_array().unwrap().iter().all(|s| s["name"] != "r2"),
+        "a refused restore left a sandbox: {all}"
+    );
 }
 
 #[test]

@@ -8,7 +8,7 @@
 //!   spec's files, and tmpfs `/run` and `/home` with size caps.
 
 use crate::sys::{mount, remount_readonly};
-use guest_init::protocol::{Mount, RunSpec, SpecFile};
+use guest_init::protocol::{Mount, RunSpec, SpecFile, DISK_TAG_PREFIX};
 use std::ffi::OsStr;
 use std::fs;
 use std::io;
@@ -77,6 +77,15 @@ pub fn root(spec: &RunSpec) -> io::Result<()> {
             String::from_utf8_lossy(path).into_owned(),
         );
         fs::create_dir_all(&path)?;
+        if let Some(id) = tag.strip_prefix(std::str::from_utf8(DISK_TAG_PREFIX).unwrap_or("")) {
+            // A read-only disk: read-only here whatever the spec says (the host refuses
+            // writes too).
+            let dev = disk_by_serial(id)?;
+            mount(&dev, &path, "erofs", libc::MS_RDONLY | NODEV_NOSUID, None).map_err(ctx(
+                format!("mount the EROFS disk {id:?} ({dev}) on {path}"),
+            ))?;
+            continue;
+        }
         mount(
             &tag,
             &path,
@@ -138,6 +147,26 @@ pub fn root(spec: &RunSpec) -> io::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The device node of the virtio-blk disk whose serial is `id` (`/sys/block/vdX/serial`).
+fn disk_by_serial(id: &str) -> io::Result<String> {
+    let entries = fs::read_dir("/sys/block").map_err(ctx("/sys/block".into()))?;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with("vd") {
+            continue;
+        }
+        let serial = fs::read(e.path().join("serial")).unwrap_or_default();
+        if serial.trim_ascii_end() == id.as_bytes() {
+            return Ok(format!("/dev/{name}"));
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("no virtio-blk disk with the serial {id:?} in /sys/block"),
+    ))
 }
 
 /// A container's root (its share mounted at `root` already): the kernel's file systems inside

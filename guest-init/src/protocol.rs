@@ -346,6 +346,10 @@ impl Tmpfs {
     }
 }
 
+/// A [`Mount`] whose tag starts with this is a read-only disk, not a virtio-fs share: the rest
+/// of the tag is the virtio-blk serial of the disk (an EROFS image) guest-init mounts there.
+pub const DISK_TAG_PREFIX: &[u8] = b"disk:";
+
 /// A virtio-fs share: its tag, its absolute mount point, and whether the guest mounts it
 /// writable (an overlay workspace, whose writes land in a layer on the host; the host decides
 /// what a share may write, never this flag alone).

@@ -16,6 +16,7 @@ use crate::vstate::vcpu::{BootEntry, VcpuError, VcpuStop};
 use crate::vstate::vm::{Vm, VmError};
 use amvm_devices::bus::{Bus, BusDevice, BusError};
 use amvm_devices::legacy::{self, EventFdTrigger, ResetLine, Uart};
+use amvm_devices::virtio::block::BlockDevice;
 use amvm_devices::virtio::fs::VhostUserFs;
 use amvm_devices::virtio::{MmioError, MmioTransport, VIRTIO_MMIO_QUEUE_NOTIFY};
 use amvm_devices::vsock::device::VsockDevice;
@@ -49,6 +50,8 @@ pub enum RunError {
     Mmio(#[from] MmioError),
     #[error("vsock device: {0}")]
     Vsock(io::Error),
+    #[error("the disk image {}: {}", .0.display(), .1)]
+    Disk(std::path::PathBuf, io::Error),
     #[error("starting the control channel: {0}")]
     Control(io::Error),
     #[error("event fd: {0}")]
@@ -162,6 +165,18 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         }
         None => None,
     };
+    // Read-only disks: each image opened read-only, now, while the host's tree is in reach.
+    let images = cfg
+        .disks
+        .iter()
+        .map(|d| {
+            let f =
+                std::fs::File::open(&d.image).map_err(|e| RunError::Disk(d.image.clone(), e))?;
+            let state = crate::snapshot::DiskState::of(&d.id, &d.image, &f)
+                .map_err(|e| RunError::Disk(d.image.clone(), e))?;
+            Ok((state, f))
+        })
+        .collect::<Result<Vec<_>, RunError>>()?;
     // Shared with the vCPU threads (a parked one saves its state for a snapshot with it).
     let kvm = Arc::new(Kvm::open()?);
     t.mark("egress checked, KVM open");
@@ -173,6 +188,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
     let mem = match restore {
         Some(r) => {
             check_restore(cfg, &r.state)?;
+            check_disks(&r.state.devices.disks, &images)?;
             let mem = memory::restore_private(cfg.mem_mib, &r.memory)?;
             t.mark("guest memory mapped from the snapshot (copy-on-write)");
             mem
@@ -354,6 +370,26 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         shares.push((tag.to_string(), dev));
     }
     t.mark("virtio-fs handshakes done");
+    // The disks after the shares, each its own worker thread, filtered as it starts.
+    let mut disks = Vec::with_capacity(images.len());
+    for (i, (disk, file)) in images.into_iter().enumerate() {
+        let p = policy.clone();
+        policy.expect_thread();
+        let dev = BlockDevice::new(file, &disk.id, Box::new(move || p.enter(ThreadKind::Block)))
+            .map_err(|e| {
+                policy.forget_thread();
+                RunError::Disk(disk.image.clone(), e)
+            })?;
+        disks.push((dev.hold(), disk));
+        let slot = (1 + cfg.shares.len() + i) as u64;
+        let (entry, transport) =
+            attach_virtio(&vm, &mem, &mut mmio, slot, Arc::new(Mutex::new(dev)))?;
+        virtio_entries.push(entry);
+        transports.push(transport);
+    }
+    if !disks.is_empty() {
+        t.mark("disks attached");
+    }
     // Nothing needs the host's tree any more: the kernel is loaded, /dev/kvm is open, and each
     // virtiofsd answered its handshake, so it is in a mount namespace of its own. amvm moves
     // into an empty root (jail.rs), then drops its capabilities (as root, virtiofsd's sandbox
@@ -451,6 +487,7 @@ pub fn run(cfg: &RunConfig, t: &Timeline, ctl: Option<OwnedFd>) -> Result<u8, Ru
         transports: &transports,
         shares: &shares,
         vsock: &vsock_hold,
+        disks: &disks,
         pagemap: pagemap.as_ref(),
         mem_mib: cfg.mem_mib,
         cpus: cfg.cpus,
@@ -602,6 +639,42 @@ fn check_restore(cfg: &RunConfig, state: &crate::snapshot::MachineState) -> Resu
     }
     if cfg.session.is_none() {
         return bad("only a sandbox (a session) can be restored".into());
+    }
+    Ok(())
+}
+
+/// A restore's disks must be the snapshot's, unchanged: the guest's page cache holds their
+/// blocks as they were.
+fn check_disks(
+    saved: &[crate::snapshot::DiskState],
+    here: &[(crate::snapshot::DiskState, std::fs::File)],
+) -> Result<(), RunError> {
+    let bad = |s: String| Err(RunError::Restore(s));
+    if saved.len() != here.len() {
+        return bad(format!(
+            "it has {} read-only disks, this VM {}",
+            saved.len(),
+            here.len()
+        ));
+    }
+    for (was, (now, _)) in saved.iter().zip(here) {
+        if was.id != now.id || was.image != now.image {
+            return bad(format!(
+                "its disk {} is the image {}, this VM's {}",
+                was.id,
+                was.image.display(),
+                now.image.display()
+            ));
+        }
+        if was.len != now.len || (was.mtime, was.mtime_nsec) != (now.mtime, now.mtime_nsec) {
+            return bad(format!(
+                "the disk image {} changed since the snapshot ({} bytes then, {} now; \
+                 modified since): restore it with the image it was taken with",
+                now.image.display(),
+                was.len,
+                now.len
+            ));
+        }
     }
     Ok(())
 }

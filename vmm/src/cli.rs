@@ -1,7 +1,7 @@
 //! The command line, as ../docs/usage.md and the design's user contract state it.
 
 use crate::config::{self, ConfigError, RunConfig};
-use guest_init::protocol::{Mount, RunSpec};
+use guest_init::protocol::{Mount, RunSpec, DISK_TAG_PREFIX};
 use std::ffi::OsString;
 use std::os::unix::ffi::OsStringExt;
 use std::path::PathBuf;
@@ -370,7 +370,9 @@ pub struct VmArgs {
     #[arg(long, value_name = "DIR[:overlay]")]
     pub workspace: Option<PathBuf>,
     /// Share host directory HOST at GUEST, read-only unless `:rw` (which lets the guest write
-    /// HOST itself). Repeatable.
+    /// HOST itself). HOST may also be an EROFS image file (`mkfs.erofs IMAGE DIR`): a read-only
+    /// disk the guest mounts at GUEST, whose metadata the guest caches like a local file
+    /// system's. Repeatable.
     #[arg(short = 'v', long = "volume", value_name = "HOST:GUEST[:ro|rw]")]
     pub volumes: Vec<String>,
     /// Mount a tmpfs at PATH, docker's syntax: `/tmp:rw,noexec,nosuid,size=64m,mode=1777`.
@@ -661,8 +663,9 @@ impl VmArgs {
             });
             taken.push(config::WORKSPACE_PATH.into());
         }
+        let mut disks = Vec::new();
         for (i, v) in self.volumes.iter().enumerate() {
-            let (dir, guest, writable) = config::volume(v)?;
+            let (source, guest, writable) = config::volume(v)?;
             if taken.contains(&guest) {
                 return Err(ConfigError::Volume(
                     v.clone(),
@@ -670,8 +673,21 @@ impl VmArgs {
                 ));
             }
             taken.push(guest.clone());
-            let tag = format!("vol{i}");
-            shares.push((tag.clone(), dir, writable));
+            let tag = match source {
+                config::VolumeSource::Dir(dir) => {
+                    let tag = format!("vol{i}");
+                    shares.push((tag.clone(), dir, writable));
+                    tag
+                }
+                config::VolumeSource::Image(image) => {
+                    let id = config::disk_id(disks.len());
+                    disks.push(config::Disk {
+                        id: id.clone(),
+                        image,
+                    });
+                    format!("{}{id}", String::from_utf8_lossy(DISK_TAG_PREFIX))
+                }
+            };
             mounts.push(Mount {
                 tag: tag.into_bytes(),
                 path: in_root(&guest).into_bytes(),
@@ -753,6 +769,7 @@ impl VmArgs {
             overlay,
             session,
             shares,
+            disks,
             virtiofsd: crate::fs::virtiofsd_path(&cache),
             restore: None,
         })
@@ -950,6 +967,25 @@ mod tests {
         );
         assert!(c.spec.mounts[2].writable && !c.spec.mounts[1].writable);
         assert_eq!(c.spec.tmpfs[0].path, b"/scratch");
+        // An EROFS image is a disk, not a share: the guest finds it by its serial.
+        let image = std::env::temp_dir().join(format!("amvm-cli-erofs-{}", std::process::id()));
+        let mut bytes = vec![0u8; 4096];
+        bytes[1024..1028].copy_from_slice(&config::EROFS_MAGIC.to_le_bytes());
+        std::fs::write(&image, bytes).unwrap();
+        let v = format!("{}:/img", image.display());
+        let c = parse(&["amvm", "run", "-v", "/tmp:/data", "-v", &v, "--", "true"]).unwrap();
+        std::fs::remove_file(&image).unwrap();
+        assert_eq!(c.shares.len(), 2);
+        assert_eq!(
+            c.disks,
+            [config::Disk {
+                id: "amvm-disk0".into(),
+                image: image.clone()
+            }]
+        );
+        assert_eq!(c.spec.mounts[2].tag, b"disk:amvm-disk0");
+        assert_eq!(c.spec.mounts[2].path, b"/img");
+        assert!(!c.spec.mounts[2].writable);
         for (bad, why) in [
             (&["-v", "/tmp"][..], "say HOST:GUEST"),
             (&["-v", "/tmp:/d:rx"][..], "mode \"rx\""),

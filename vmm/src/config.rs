@@ -123,8 +123,34 @@ pub fn tmpfs(arg: &str) -> Result<guest_init::protocol::Tmpfs, ConfigError> {
     })
 }
 
-/// `-v HOST:GUEST[:ro|rw]`: an existing host directory (canonical), the guest path, writable.
-pub fn volume(arg: &str) -> Result<(PathBuf, String, bool), ConfigError> {
+/// What a volume's host side is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum VolumeSource {
+    /// A directory, shared over virtio-fs.
+    Dir(PathBuf),
+    /// An EROFS image file, a read-only virtio-blk disk the guest mounts.
+    Image(PathBuf),
+}
+
+/// EROFS's superblock magic, at byte 1024 of an image (`fs/erofs/erofs_fs.h`).
+pub const EROFS_MAGIC: u32 = 0xE0F5_E1E2;
+const EROFS_MAGIC_AT: u64 = 1024;
+
+/// Whether `file` starts as an EROFS image does (its superblock's magic).
+pub fn is_erofs(file: &Path) -> std::io::Result<bool> {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(file)?;
+    let mut magic = [0u8; 4];
+    match f.read_exact_at(&mut magic, EROFS_MAGIC_AT) {
+        Ok(()) => Ok(u32::from_le_bytes(magic) == EROFS_MAGIC),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// `-v HOST:GUEST[:ro|rw]`: an existing host directory or EROFS image (canonical), the guest
+/// path, writable (never for an image).
+pub fn volume(arg: &str) -> Result<(VolumeSource, String, bool), ConfigError> {
     let bad = |why: String| ConfigError::Volume(arg.to_string(), why);
     let parts: Vec<&str> = arg.split(':').collect();
     let (host, guest, writable) = match parts[..] {
@@ -134,14 +160,33 @@ pub fn volume(arg: &str) -> Result<(PathBuf, String, bool), ConfigError> {
         [_, _, m] => return Err(bad(format!("mode {m:?}: say ro or rw"))),
         _ => return Err(bad("say HOST:GUEST[:ro|rw]".into())),
     };
-    let dir = Path::new(host)
+    let path = Path::new(host)
         .canonicalize()
         .map_err(|e| bad(format!("{host}: {e}")))?;
-    if !dir.is_dir() {
-        return Err(bad(format!("{host}: not a directory")));
-    }
     let guest = guest_mount_point(guest).map_err(bad)?;
-    Ok((dir, guest, writable))
+    if path.is_dir() {
+        return Ok((VolumeSource::Dir(path), guest, writable));
+    }
+    if !path.is_file() {
+        return Err(bad(format!(
+            "{host}: neither a directory nor an EROFS image file"
+        )));
+    }
+    match is_erofs(&path) {
+        Ok(true) => {}
+        Ok(false) => {
+            return Err(bad(format!(
+                "{host}: not a directory, and not an EROFS image (make one with mkfs.erofs)"
+            )))
+        }
+        Err(e) => return Err(bad(format!("{host}: {e}"))),
+    }
+    if writable {
+        return Err(bad(format!(
+            "{host}: an EROFS image is read-only; drop :rw"
+        )));
+    }
+    Ok((VolumeSource::Image(path), guest, false))
 }
 
 /// `--rootfs DIR[:rw]`: an existing directory (canonical) and whether the guest may write it.
@@ -286,6 +331,9 @@ pub struct RunConfig {
     /// directory instead).
     pub shares: Vec<(String, PathBuf, bool)>,
     pub virtiofsd: PathBuf,
+    /// Read-only disks (`-v IMAGE:GUEST`): EROFS images, each a virtio-blk device after the
+    /// shares, which the guest finds by its serial and mounts read-only.
+    pub disks: Vec<Disk>,
     /// The host unix socket egress streams go to (`--egress`, or the gateway's), and their log.
     pub egress: Option<PathBuf>,
     pub egress_log: Option<PathBuf>,
@@ -300,6 +348,18 @@ pub struct RunConfig {
     /// `amvm create --from DIR`: continue a snapshot's machine instead of booting one (a
     /// session's; the state checked, the memory file open, both by the caller).
     pub restore: Option<std::sync::Arc<Restore>>,
+}
+
+/// A read-only disk: its image file and the serial the guest finds it by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Disk {
+    pub id: String,
+    pub image: PathBuf,
+}
+
+/// The serial of disk `i` (at most 20 bytes: `VIRTIO_BLK_ID_BYTES`).
+pub fn disk_id(i: usize) -> String {
+    format!("amvm-disk{i}")
 }
 
 /// A snapshot to continue from (snapshot/): its decoded state and its memory file.

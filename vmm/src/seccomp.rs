@@ -44,6 +44,8 @@ pub enum ThreadKind {
     Vmm,
     Vcpu,
     EventLoop,
+    /// A read-only disk's worker (virtio-blk): its queue, reads of its image, nothing else.
+    Block,
     Helper,
     /// Every thread of a sandbox's supervisor (sandbox/supervisor.rs): the one host process
     /// that parses the guest's control and exec frames. One filter for the whole process,
@@ -61,6 +63,7 @@ impl ThreadKind {
             ThreadKind::Vmm => "vmm",
             ThreadKind::Vcpu => "vcpu",
             ThreadKind::EventLoop => "vsock event loop",
+            ThreadKind::Block => "virtio-blk worker",
             ThreadKind::Helper => "helper",
             ThreadKind::Supervisor => "supervisor",
             ThreadKind::Run => "run",
@@ -73,6 +76,7 @@ impl ThreadKind {
             "vmm" => Some(ThreadKind::Vmm),
             "vcpu" => Some(ThreadKind::Vcpu),
             "event-loop" => Some(ThreadKind::EventLoop),
+            "block" => Some(ThreadKind::Block),
             "helper" => Some(ThreadKind::Helper),
             "supervisor" => Some(ThreadKind::Supervisor),
             "run" => Some(ThreadKind::Run),
@@ -153,6 +157,10 @@ const EVENT_LOOP: &[i64] = &[
     libc::SYS_sendto,
     libc::SYS_recvfrom,
 ];
+
+// A disk's worker: its queue's kick, kill and hold events (epoll), the image read at an offset
+// (pread64) into a buffer it copies into guest RAM. It opens nothing and writes no file.
+const BLOCK: &[i64] = &[libc::SYS_epoll_ctl, libc::SYS_epoll_wait, libc::SYS_pread64];
 
 const HELPER: &[i64] = &[libc::SYS_shutdown, libc::SYS_sendto, libc::SYS_recvfrom];
 
@@ -309,6 +317,7 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
         ThreadKind::Vmm => VMM,
         ThreadKind::Vcpu => VCPU,
         ThreadKind::EventLoop => EVENT_LOOP,
+        ThreadKind::Block => BLOCK,
         ThreadKind::Helper => HELPER,
         ThreadKind::Supervisor => SUPERVISOR,
         ThreadKind::Run => RUN,
@@ -401,7 +410,7 @@ fn rules(kind: ThreadKind) -> Result<BTreeMap<i64, Vec<SeccompRule>>, seccompile
                     .collect::<Result<Vec<_>, _>>()?,
             );
         }
-        ThreadKind::Helper => {}
+        ThreadKind::Helper | ThreadKind::Block => {}
     }
     Ok(map)
 }
@@ -732,6 +741,7 @@ mod tests {
             ThreadKind::Vmm,
             ThreadKind::Vcpu,
             ThreadKind::EventLoop,
+            ThreadKind::Block,
             ThreadKind::Helper,
             ThreadKind::Supervisor,
             ThreadKind::Run,

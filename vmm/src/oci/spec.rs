@@ -328,6 +328,8 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         env: env.clone(),
         egress_gateway: None,
         image: None,
+        // The container's mounts are its bundle's, made again from it; never restored.
+        volumes: Vec::new(),
     };
     let mut cfg = vm
         .into_config(Vec::new(), false, Some(PathBuf::from("/")))

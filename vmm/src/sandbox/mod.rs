@@ -159,6 +159,9 @@ pub struct Config {
     /// `--image`: the image's whole name (its root is the sandbox's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
+    /// `-v HOST:GUEST[:ro|rw]`, each HOST absolute (a snapshot's restore makes them again).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<String>,
 }
 
 /// Where this user's sandboxes live.

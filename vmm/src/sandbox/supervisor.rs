@@ -161,6 +161,9 @@ fn create_restored(args: CreateArgs, from: &Path) -> Result<String, SandboxError
     if let Some(size) = was.overlay_size {
         flag("--overlay-size", size.to_string().into());
     }
+    for v in &was.volumes {
+        flag("--volume", v.into());
+    }
     match (&vm.egress, &was.egress_gateway) {
         (Some(e), _) => flag("--egress", e.clone().into()),
         // Its own gateway, started anew with the same rules.
@@ -283,6 +286,18 @@ pub(crate) fn check(
         env: args.vm.env.clone(),
         egress_gateway: None,
         image: args.vm.image.clone(),
+        volumes: args
+            .vm
+            .volumes
+            .iter()
+            .map(|v| match v.split_once(':') {
+                Some((host, rest)) => match std::path::absolute(host) {
+                    Ok(h) => format!("{}:{rest}", h.display()),
+                    Err(_) => v.clone(),
+                },
+                None => v.clone(),
+            })
+            .collect(),
     };
     // Everything checkable is checked before anything is made; the session path is set once
     // the directory exists.

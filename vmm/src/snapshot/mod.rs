@@ -42,6 +42,37 @@ pub struct DevicesState {
     pub transports: Vec<amvm_devices::virtio::MmioState>,
     /// Each share's mount tag and its backend's (virtiofsd's) state, in slot order.
     pub shares: Vec<(String, amvm_devices::virtio::fs::BackendState)>,
+    /// Each read-only disk, in slot order (after the shares): which image it read. The guest's
+    /// page cache holds the image's blocks, so a restore needs the very same image.
+    #[serde(default)]
+    pub disks: Vec<DiskState>,
+}
+
+/// A read-only disk's image as it was: a restore refuses one that changed since.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DiskState {
+    /// The serial the guest knows it by.
+    pub id: String,
+    pub image: std::path::PathBuf,
+    pub len: u64,
+    /// Its modification time, seconds and nanoseconds since the epoch.
+    pub mtime: i64,
+    pub mtime_nsec: i64,
+}
+
+impl DiskState {
+    /// `file`'s identity as the disk `id` reads it.
+    pub fn of(id: &str, image: &std::path::Path, file: &std::fs::File) -> std::io::Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = file.metadata()?;
+        Ok(DiskState {
+            id: id.into(),
+            image: image.into(),
+            len: m.len(),
+            mtime: m.mtime(),
+            mtime_nsec: m.mtime_nsec(),
+        })
+    }
 }
 
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -52,8 +83,8 @@ pub enum MismatchError {
     VcpuCount(usize, u8),
     #[error("vCPU state {0} is for vCPU {1}")]
     VcpuOrder(usize, u8),
-    #[error("it holds {0} device states for {1} shares")]
-    DeviceCount(usize, usize),
+    #[error("it holds {0} device states for {1} shares and {2} disks")]
+    DeviceCount(usize, usize, usize),
 }
 
 impl MachineState {
@@ -73,10 +104,11 @@ impl MachineState {
             }
         }
         let d = &self.devices;
-        if d.transports.len() != d.shares.len() + 1 {
+        if d.transports.len() != d.shares.len() + d.disks.len() + 1 {
             return Err(MismatchError::DeviceCount(
                 d.transports.len(),
                 d.shares.len(),
+                d.disks.len(),
             ));
         }
         Ok(())
@@ -103,6 +135,6 @@ mod tests {
         assert_eq!(other.check(), Err(MismatchError::VcpuCount(1, 2)));
         other.meta.cpus = 1;
         other.devices.transports.clear();
-        assert_eq!(other.check(), Err(MismatchError::DeviceCount(0, 1)));
+        assert_eq!(other.check(), Err(MismatchError::DeviceCount(0, 1, 0)));
     }
 }

@@ -33,6 +33,8 @@ pub struct Machine<'a> {
     pub transports: &'a [Arc<Mutex<MmioTransport>>],
     pub shares: &'a [(String, Arc<Mutex<VhostUserFs>>)],
     pub vsock: &'a WorkerHold,
+    /// Each read-only disk's worker and image, in slot order.
+    pub disks: &'a [(WorkerHold, super::DiskState)],
     /// A restored guest's `/proc/self/pagemap` (its RAM is a private mapping).
     pub pagemap: Option<&'a File>,
     pub mem_mib: u64,
@@ -67,6 +69,9 @@ impl Machine<'_> {
             }
         }
         self.vsock.release();
+        for (d, _) in self.disks {
+            d.release();
+        }
         if !was_paused {
             self.pauser.resume();
         }
@@ -84,6 +89,10 @@ impl Machine<'_> {
         stopped_rings: &mut Vec<(usize, Vec<u32>)>,
     ) -> Result<String, String> {
         self.vsock.hold(LIMIT).map_err(|e| e.to_string())?;
+        for (d, image) in self.disks {
+            d.hold(LIMIT)
+                .map_err(|e| format!("disk {}: {e}", image.image.display()))?;
+        }
         let mut shares = Vec::with_capacity(self.shares.len());
         for (i, (tag, fs)) in self.shares.iter().enumerate() {
             let saved = lock(fs)
@@ -115,7 +124,11 @@ impl Machine<'_> {
             },
             vm,
             vcpus,
-            devices: DevicesState { transports, shares },
+            devices: DevicesState {
+                transports,
+                shares,
+                disks: self.disks.iter().map(|(_, d)| d.clone()).collect(),
+            },
         };
         let bytes = format::encode(&machine).map_err(|e| e.to_string())?;
         let mut out = state;
