@@ -478,7 +478,7 @@ fn run_and_create_with_image_honour_its_entrypoint_cmd_env_workdir_and_user() {
         "hello from /data as 1001:1002 home /home/app\nc\nnew\napp\n"
     );
     // Arguments replace Cmd (the Entrypoint stays); the exit status comes back; the root is
-    // read-only and /tmp is writable.
+    // read-only (an EROFS disk the store made of it) and /tmp is writable.
     let out = i.amvm(&[
         "run",
         "--timeout",
@@ -486,10 +486,21 @@ fn run_and_create_with_image_honour_its_entrypoint_cmd_env_workdir_and_user() {
         "--image",
         APP,
         "--",
-        "echo x > /tmp/y && cat /tmp/y; touch /etc/z 2>/dev/null || echo read-only; exit 3",
+        "echo x > /tmp/y && cat /tmp/y; touch /etc/z 2>/dev/null || echo read-only; \
+         awk '$2 == \"/\" { print $3, substr($4, 1, 2) }' /proc/mounts; exit 3",
     ]);
     assert_eq!(out.code, 3, "{}", out.stderr);
-    assert_eq!(out.stdout_str(), "x\nread-only\n");
+    assert_eq!(out.stdout_str(), "x\nread-only\nerofs ro\n");
+    let erofs: Vec<_> = std::fs::read_dir(i.base.join("cache/oci/snapshots"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".erofs"))
+        .collect();
+    assert_eq!(
+        erofs.len(),
+        1,
+        "the store's EROFS image of the root: {erofs:?}"
+    );
     // Flags win over the config.
     let out = i.amvm(&[
         "run",
@@ -518,7 +529,16 @@ fn run_and_create_with_image_honour_its_entrypoint_cmd_env_workdir_and_user() {
         "echo $GREETING $(id -u):$(id -g) $(pwd)",
     ]);
     let inspect = i.amvm(&["inspect", &id]);
+    // Its snapshot comes back on the same EROFS root (the store's image of it, unchanged).
+    let snap = i.path("snap");
+    ok(&i.amvm(&["snapshot", &id, &snap, "--stop"]), "snapshot");
+    let back = ok(&i.amvm(&["create", "--from", &snap]), "create --from")
+        .trim()
+        .to_string();
+    let again = i.amvm(&["exec", &back, "sh", "-c", "echo $GREETING; cat /etc/issue"]);
+    let _ = i.amvm(&["rm", "-f", &back]);
     let _ = i.amvm(&["rm", "-f", &id]);
+    assert_eq!(ok(&again, "exec in the restored sandbox"), "hello\napp\n");
     assert_eq!(ok(&exec, "exec"), "hello 1001:1002 /data\n");
     assert!(
         ok(&inspect, "inspect").contains(&format!("\"image\": \"{APP}\"")),

@@ -95,7 +95,7 @@ def main():
         # The same shape as an EROFS image on a read-only virtio-blk disk (`-v IMAGE:/img`):
         # the guest's own page cache holds its metadata, no FUSE round trip.
         image = os.path.join(d, "tree.erofs")
-        subprocess.run(["mkfs.erofs", "-q", image, ws_tree], check=True)
+        subprocess.run(["mkfs.erofs", "--quiet", image, ws_tree], check=True)
         n = subprocess.run(["sh", "-c", f"find {a.tree} | wc -l"], capture_output=True, text=True).stdout.strip()
         walks = {"system root": (a.tree, []), "workspace": ("tree", []),
                  "EROFS disk": ("/img", ["-v", f"{image}:/img"])}
@@ -108,8 +108,9 @@ def main():
             for where, (path, opts) in walks.items():
                 walk = f"find {path} > /dev/null"
                 twice = timed(walk) + "; " + timed(walk)
-                # The host walks the tree itself (the disk's rows too: the image is its shape).
-                host_walk = f"find {a.tree if opts else path} > /dev/null"
+                # The host walks the path itself; for the disk's rows, the shape the image was
+                # made of (the host's own local copy, as for the workspace's rows).
+                host_walk = f"find {'tree' if opts else path} > /dev/null"
                 drop_host_cache(d)
                 p = subprocess.run(["sh", "-c", timed(host_walk) + "; " + timed(host_walk)], cwd=d,
                                    capture_output=True, text=True, check=True)

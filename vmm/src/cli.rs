@@ -473,6 +473,10 @@ pub struct VmArgs {
     /// sent a run spec, so none of the host's files for it ([`config::etc_files`]) are read.
     #[arg(skip)]
     pub restoring: bool,
+    /// An `--image`'s root as an EROFS image (the store's, [`VmArgs::resolve_image`]): mounted
+    /// from a read-only disk instead of shared, when the root is read-only.
+    #[arg(skip)]
+    pub rootfs_image: Option<PathBuf>,
 }
 
 /// `--pull`: when `--image` pulls.
@@ -548,6 +552,9 @@ impl VmArgs {
             self.tmpfs.push("/tmp:rw,mode=1777".into());
         }
         self.rootfs = Some(format!("{}:ro", found.root.display()));
+        self.rootfs_image = store
+            .erofs_image(&found.record.chain)
+            .map_err(|e| bad(e.to_string()))?;
         self.image = Some(found.record.name);
         self.image_command = Some((d.entrypoint, d.cmd));
         Ok(self)
@@ -634,7 +641,25 @@ impl VmArgs {
             None if workspace.is_some() => config::WORKSPACE_PATH.to_string(),
             None => "/".to_string(),
         };
+        let mut disks = Vec::new();
         let (mut shares, mut mounts) = match &rootfs {
+            // A read-only image root made into an EROFS image: a disk, no share.
+            Some((_, false)) if self.rootfs_image.is_some() => {
+                let id = config::DISK_ROOT_ID.to_string();
+                let tag = format!("{}{id}", String::from_utf8_lossy(DISK_TAG_PREFIX));
+                disks.push(config::Disk {
+                    id,
+                    image: self.rootfs_image.clone().unwrap_or_default(),
+                });
+                (
+                    Vec::new(),
+                    vec![Mount {
+                        tag: tag.into_bytes(),
+                        path: config::ROOTFS_PATH.into(),
+                        writable: false,
+                    }],
+                )
+            }
             Some((dir, writable)) => (
                 vec![(config::TAG_ROOT.to_string(), dir.clone(), *writable)],
                 vec![Mount {
@@ -663,7 +688,6 @@ impl VmArgs {
             });
             taken.push(config::WORKSPACE_PATH.into());
         }
-        let mut disks = Vec::new();
         for (i, v) in self.volumes.iter().enumerate() {
             let (source, guest, writable) = config::volume(v)?;
             if taken.contains(&guest) {

@@ -357,10 +357,14 @@ pub struct Disk {
     pub image: PathBuf,
 }
 
-/// The serial of disk `i` (at most 20 bytes: `VIRTIO_BLK_ID_BYTES`).
+/// The serial of the `i`th disk (`-v IMAGE:GUEST`; at most 20 bytes:
+/// `VIRTIO_BLK_ID_BYTES`).
 pub fn disk_id(i: usize) -> String {
     format!("amvm-disk{i}")
 }
+
+/// The serial of an image root's disk.
+pub const DISK_ROOT_ID: &str = "amvm-root";
 
 /// A snapshot to continue from (snapshot/): its decoded state and its memory file.
 #[derive(Debug)]

@@ -302,6 +302,7 @@ pub fn load(bundle: &Path) -> Result<Bundle, OciError> {
         no_huge_pages: false,
         no_seccomp: false,
         restoring: false,
+        rootfs_image: None,
     };
     if let Some(e) = &vm.egress {
         if !e.exists() {

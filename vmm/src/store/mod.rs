@@ -16,6 +16,8 @@
 //!   over (a linked file of the chain below is replaced, never written through). So two images
 //!   that share a base layer share its files on disk. `snapshots/HEX.size` holds the root's
 //!   size in bytes. Snapshots are made in `tmp/` and renamed into place whole.
+//!   `snapshots/HEX.erofs` is the same root as an EROFS image, made by `mkfs.erofs` the first
+//!   time the image runs ([`Store::erofs_image`]): the guest mounts it from a read-only disk.
 //! * `refs/HEX.json`: one image name (HEX is sha256 of the normalised name), its image id (the
 //!   config's digest), its manifest, layers, diff ids, top chain, size and when it was stored.
 //!
@@ -327,6 +329,64 @@ impl Store {
         self.dir.join("snapshots").join(chain.hex())
     }
 
+    /// The EROFS image of chain `chain`'s root (`snapshots/HEX.erofs`), which a run mounts from
+    /// a read-only disk instead of sharing the root over virtio-fs (its metadata then stays in
+    /// the guest's page cache). Made from the root with `mkfs.erofs` on first use, in `tmp/`
+    /// and renamed into place whole, under the store's shared lock (two runs at once at worst
+    /// both make it). `None` when `mkfs.erofs` is not installed (erofs-utils): the root is
+    /// shared as before.
+    pub fn erofs_image(&self, chain: &Digest) -> Result<Option<PathBuf>, StoreError> {
+        let image = self
+            .dir
+            .join("snapshots")
+            .join(format!("{}.erofs", chain.hex()));
+        if image.is_file() {
+            return Ok(Some(image));
+        }
+        let root = self.snapshot(chain);
+        let _lock = self.lock(false)?;
+        if image.is_file() {
+            return Ok(Some(image));
+        }
+        let tmp =
+            self.dir
+                .join("tmp")
+                .join(format!("{}.erofs-{}", std::process::id(), chain.hex()));
+        let out = match std::process::Command::new("mkfs.erofs")
+            .arg("--quiet")
+            .arg(&tmp)
+            .arg(&root)
+            .stdin(std::process::Stdio::null())
+            .output()
+        {
+            Ok(out) => out,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                tracing::info!(
+                    "mkfs.erofs is not installed (erofs-utils): the image's root is shared over \
+                     virtio-fs instead of mounted from an EROFS disk"
+                );
+                return Ok(None);
+            }
+            Err(e) => return Err(StoreError::Io("mkfs.erofs".into(), e)),
+        };
+        if !out.status.success() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(bad(
+                format!("the EROFS image of {}", root.display()),
+                format!(
+                    "mkfs.erofs failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ));
+        }
+        std::fs::rename(&tmp, &image).map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            StoreError::Io(image.display().to_string(), e)
+        })?;
+        Ok(Some(image))
+    }
+
     fn ref_path(&self, name: &str) -> PathBuf {
         self.dir
             .join("refs")
@@ -557,12 +617,18 @@ impl Store {
         for e in std::fs::read_dir(&dir).map_err(io_err(dir.display()))? {
             let e = e.map_err(io_err(dir.display()))?;
             let name = e.file_name().to_string_lossy().into_owned();
-            let hex = name.strip_suffix(".size").unwrap_or(&name);
+            let hex = name
+                .strip_suffix(".size")
+                .or_else(|| name.strip_suffix(".erofs"))
+                .unwrap_or(&name);
             if chains.contains(hex) {
                 continue;
             }
             if name.ends_with(".size") {
                 let _ = std::fs::remove_file(e.path());
+            } else if name.ends_with(".erofs") {
+                freed += e.metadata().map_or(0, |m| m.len());
+                std::fs::remove_file(e.path()).map_err(io_err(e.path().display()))?;
             } else {
                 freed += unpack::remove_tree(&e.path())?;
             }
@@ -848,6 +914,33 @@ mod tests {
         }
         assert!(normalise("UPPER").is_err());
         assert!(normalise("").is_err());
+    }
+
+    /// A chain's EROFS image is made once from its root (then found, not made again), and
+    /// prune removes it with the root once no image needs the chain.
+    #[test]
+    fn a_root_s_erofs_image_is_made_once_and_pruned_with_it() {
+        let dir = std::env::temp_dir().join(format!("amvm-store-erofs-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let store = Store::open(&dir).unwrap();
+        store.prepare().unwrap();
+        let chain = Digest::of(b"a chain");
+        let root = store.snapshot(&chain);
+        std::fs::create_dir_all(root.join("etc")).unwrap();
+        std::fs::write(root.join("etc/issue"), "hi\n").unwrap();
+        let Some(image) = store.erofs_image(&chain).unwrap() else {
+            panic!("mkfs.erofs is not installed (erofs-utils; images/setup installs it)");
+        };
+        assert_eq!(image, dir.join(format!("snapshots/{}.erofs", chain.hex())));
+        assert!(crate::config::is_erofs(&image).unwrap());
+        let made = std::fs::metadata(&image).unwrap().modified().unwrap();
+        assert_eq!(store.erofs_image(&chain).unwrap(), Some(image.clone()));
+        assert_eq!(std::fs::metadata(&image).unwrap().modified().unwrap(), made);
+        assert_eq!(std::fs::read_dir(dir.join("tmp")).unwrap().count(), 0);
+        // No image refers to the chain: prune takes the root and its EROFS image.
+        assert!(store.prune().unwrap() > 0);
+        assert!(!image.exists() && !root.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
