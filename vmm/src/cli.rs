@@ -552,9 +552,12 @@ impl VmArgs {
             self.tmpfs.push("/tmp:rw,mode=1777".into());
         }
         self.rootfs = Some(format!("{}:ro", found.root.display()));
-        self.rootfs_image = store
-            .erofs_image(&found.record.chain)
-            .map_err(|e| bad(e.to_string()))?;
+        // A root that cannot be made an EROFS image is shared instead: slower metadata, the
+        // same run.
+        self.rootfs_image = store.erofs_image(&found.record.chain).unwrap_or_else(|e| {
+            eprintln!("amvm: warning: {e}; its root is shared over virtio-fs instead");
+            None
+        });
         self.image = Some(found.record.name);
         self.image_command = Some((d.entrypoint, d.cmd));
         Ok(self)

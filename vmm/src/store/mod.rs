@@ -352,8 +352,10 @@ impl Store {
             self.dir
                 .join("tmp")
                 .join(format!("{}.erofs-{}", std::process::id(), chain.hex()));
+        // `-x-1`: no extended attributes (the store keeps none it means; and listing them
+        // fails on file systems without them, such as a virtio-fs mount).
         let out = match std::process::Command::new("mkfs.erofs")
-            .arg("--quiet")
+            .args(["--quiet", "-x-1"])
             .arg(&tmp)
             .arg(&root)
             .stdin(std::process::Stdio::null())
