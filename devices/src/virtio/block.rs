@@ -196,14 +196,12 @@ impl VirtioDevice for BlockDevice {
         queue_evts: Vec<EventFd>,
         interrupt: Arc<InterruptStatus>,
     ) -> Result<(), ActivateError> {
+        let got = queues.len().min(queue_evts.len());
         let (Ok([queue]), Ok([kick])) = (
             <[Queue; 1]>::try_from(queues),
             <[EventFd; 1]>::try_from(queue_evts),
         ) else {
-            return Err(ActivateError::QueueCount {
-                expected: 1,
-                got: 0,
-            });
+            return Err(ActivateError::QueueCount { expected: 1, got });
         };
         if !queue.ready() {
             return Err(ActivateError::QueueNotReady { index: 0 });
