@@ -497,6 +497,35 @@ fn a_forbidden_call_on_any_thread_kills_amvm_and_names_the_call() {
             "{kind}: the workload ran"
         );
     }
+    // A read-only disk's worker, which only a run with a disk has.
+    let dir = std::env::temp_dir().join(format!("amvm-trip-blk-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("tree")).unwrap();
+    std::fs::write(dir.join("tree/f"), "x").unwrap();
+    let image = dir.join("tree.erofs");
+    let made = std::process::Command::new("mkfs.erofs")
+        .arg(&image)
+        .arg(dir.join("tree"))
+        .output()
+        .expect("mkfs.erofs (erofs-utils; images/setup installs it)");
+    assert!(made.status.success(), "mkfs.erofs: {made:?}");
+    let o = run_vm_leaving_nothing_env(
+        &["-v", &format!("{}:/data", image.display())],
+        &["sh", "-c", "echo should-not-run"],
+        &[("AMVM_TEST_SECCOMP_TRIP", "block")],
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(o.code, 125, "block: {o:?}");
+    assert!(
+        o.stderr.contains(
+            "seccomp: the virtio-blk worker thread made a forbidden system call: ptrace (101)"
+        ),
+        "block: {}",
+        o.stderr
+    );
+    assert!(
+        !o.stdout_str().contains("should-not-run"),
+        "block: the workload ran"
+    );
     // The run process itself: it dies at once as the others do, taking its sandbox's
     // supervisor and VMM with it; what it leaves (its state directory) goes with the next
     // amvm ls.
