@@ -508,6 +508,18 @@ fn count_in(w: &World, sandbox: &str) -> u64 {
     o.stdout_str().trim().parse().unwrap()
 }
 
+/// `n` bytes of xorshift noise from `seed`: file contents no cache could have guessed.
+fn noise(n: usize, mut seed: u64) -> Vec<u8> {
+    (0..n)
+        .map(|_| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed as u8
+        })
+        .collect()
+}
+
 /// `sha256sum`'s answer for a host file, as the guest's `sha256sum < FILE` prints it.
 fn host_sha256(path: &Path) -> String {
     let o = Command::new("sha256sum")
@@ -532,16 +544,7 @@ fn a_restored_snapshot_goes_on_with_its_processes_files_and_workspace_and_each_c
     std::fs::create_dir_all(&ws).unwrap();
     std::fs::write(ws.join("data"), "opened before the snapshot\n").unwrap();
     // Larger than one FUSE read: a restored sandbox's reads go through its relay's shadow.
-    let mut x = 0x2545_f491_4f6c_dd1du64;
-    let big: Vec<u8> = (0..3 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
-    std::fs::write(ws.join("big"), &big).unwrap();
+    std::fs::write(ws.join("big"), noise(3 << 20, 0x2545_f491_4f6c_dd1d)).unwrap();
     let big_sum = host_sha256(&ws.join("big"));
     w.create(&[
         "--name",
@@ -781,16 +784,7 @@ fn a_sandbox_s_erofs_disk_comes_back_with_its_restore_and_a_changed_image_is_ref
     let tree = w.xdg.join("tree");
     std::fs::create_dir_all(&tree).unwrap();
     std::fs::write(tree.join("before"), "read before the snapshot\n").unwrap();
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let big: Vec<u8> = (0..2 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
-    std::fs::write(tree.join("after"), &big).unwrap();
+    std::fs::write(tree.join("after"), noise(2 << 20, 0x9e37_79b9_7f4a_7c15)).unwrap();
     let big_sum = host_sha256(&tree.join("after"));
     let image = w.xdg.join("tree.erofs");
     let out = Command::new("mkfs.erofs")

@@ -310,37 +310,42 @@ impl Requests {
 
     /// Serve every request the driver queued; interrupt if it asked for one.
     pub fn pass(&mut self) {
-        let mut used = false;
-        let mut progressed = true;
-        loop {
-            while let Some(chain) = self.queue.pop_descriptor_chain(&self.mem) {
-                let head = chain.head_index();
-                let parsed = parse(&self.mem, chain);
-                let len = self.serve(parsed);
-                if let Err(e) = self.queue.add_used(&self.mem, head, len) {
-                    tracing::warn!("virtio-blk: used ring: {e:?}");
-                }
-                used = true;
-                progressed = true;
-            }
-            let more = match self.queue.enable_notification(&self.mem) {
-                Ok(more) => more,
-                Err(e) => {
-                    tracing::warn!("virtio-blk: notification: {e:?}");
-                    false
-                }
-            };
-            if !(more && progressed) {
-                break;
-            }
-            progressed = false;
-        }
+        let Requests {
+            mem,
+            queue,
+            image,
+            sectors,
+            id,
+            interrupt,
+            buf,
+        } = self;
+        let mem = &*mem;
+        let mut disk = Disk {
+            mem,
+            image,
+            sectors: *sectors,
+            id,
+            buf,
+        };
+        let used = super::serve_available(queue, mem, "virtio-blk", |chain| {
+            disk.serve(parse(mem, chain))
+        });
         if used {
-            self.interrupt
-                .signal_used_if_due(&mut self.queue, &self.mem, "virtio-blk");
+            interrupt.signal_used_if_due(queue, mem, "virtio-blk");
         }
     }
+}
 
+/// What serving a request reads: guest memory and the image.
+struct Disk<'a> {
+    mem: &'a GuestMemoryMmap,
+    image: &'a File,
+    sectors: u64,
+    id: &'a [u8; ID_BYTES],
+    buf: &'a mut Vec<u8>,
+}
+
+impl Disk<'_> {
     /// One request; returns what the used ring says the device wrote.
     fn serve(&mut self, parsed: Result<Parsed, (String, Option<GuestAddress>)>) -> u32 {
         let p = match parsed {
@@ -417,10 +422,10 @@ impl Requests {
         for &(addr, len, _) in &p.data {
             self.buf.resize(len as usize, 0);
             self.image
-                .read_exact_at(&mut self.buf, offset)
+                .read_exact_at(self.buf, offset)
                 .map_err(|e| format!("the image: {e}"))?;
             self.mem
-                .write_slice(&self.buf, addr)
+                .write_slice(self.buf, addr)
                 .map_err(|e| format!("guest memory: {e}"))?;
             offset += u64::from(len);
         }

@@ -181,6 +181,46 @@ pub trait VirtioDevice: Send {
     }
 }
 
+/// Serve every chain the driver has made available on `queue`: `serve` each (it returns how
+/// many bytes it wrote into the chain), put it in the used ring, then ask for the next kick and
+/// look again if chains came in meanwhile, but only when the last look found one (a ring index
+/// the device cannot use ends the pass: it costs the guest its next kick, not a spinning
+/// thread). `device` names the device in warnings. Returns whether any chain was used; the
+/// caller then interrupts the driver if it is due ([`InterruptStatus::signal_used_if_due`]).
+pub fn serve_available(
+    queue: &mut virtio_queue::Queue,
+    mem: &vm_memory::GuestMemoryMmap,
+    device: &str,
+    mut serve: impl FnMut(virtio_queue::DescriptorChain<&vm_memory::GuestMemoryMmap>) -> u32,
+) -> bool {
+    use virtio_queue::QueueT;
+    let mut used = false;
+    // A chain was taken since we last asked for a kick (the first pass always may retry).
+    let mut progressed = true;
+    loop {
+        while let Some(chain) = queue.pop_descriptor_chain(mem) {
+            let head = chain.head_index();
+            let len = serve(chain);
+            if let Err(e) = queue.add_used(mem, head, len) {
+                tracing::warn!("{device}: used ring: {e:?}");
+            }
+            used = true;
+            progressed = true;
+        }
+        let more = match queue.enable_notification(mem) {
+            Ok(more) => more,
+            Err(e) => {
+                tracing::warn!("{device}: notification: {e:?}");
+                false
+            }
+        };
+        if !(more && progressed) {
+            return used;
+        }
+        progressed = false;
+    }
+}
+
 /// Copy the part of config space `cfg` that lies at `offset` into `data`; bytes beyond `cfg`
 /// (and any offset past its end) leave `data` as it came. For [`VirtioDevice::read_config`].
 pub fn read_config_bytes(cfg: &[u8], offset: u64, data: &mut [u8]) {

@@ -371,34 +371,14 @@ where
     /// finds none although the ring says there are (an index we cannot use) ends it: a broken
     /// ring costs the guest its next kick, not a spinning VMM thread.
     fn process_tx(&mut self) {
-        let mut used = false;
-        // A packet was taken since we last asked for a kick (the first pass always may retry).
-        let mut progressed = true;
-        loop {
-            while let Some(chain) = self.tx.pop_descriptor_chain(&self.mem) {
-                let head = chain.head_index();
-                match read_tx(&self.mem, chain) {
-                    Ok(pkt) => self.muxer.recv_from_guest(&pkt),
-                    Err(e) => tracing::warn!("vsock: dropped a malformed TX chain: {e}"),
-                }
-                if let Err(e) = self.tx.add_used(&self.mem, head, 0) {
-                    tracing::warn!("vsock: TX used ring: {e:?}");
-                }
-                used = true;
-                progressed = true;
+        let (mem, muxer) = (&self.mem, &mut self.muxer);
+        let used = crate::virtio::serve_available(&mut self.tx, mem, "vsock TX", |chain| {
+            match read_tx(mem, chain) {
+                Ok(pkt) => muxer.recv_from_guest(&pkt),
+                Err(e) => tracing::warn!("vsock: dropped a malformed TX chain: {e}"),
             }
-            let more = match self.tx.enable_notification(&self.mem) {
-                Ok(more) => more,
-                Err(e) => {
-                    tracing::warn!("vsock: TX notification: {e:?}");
-                    false
-                }
-            };
-            if !(more && progressed) {
-                break;
-            }
-            progressed = false;
-        }
+            0
+        });
         if used {
             self.interrupt
                 .signal_used_if_due(&mut self.tx, &self.mem, "vsock");

@@ -20,7 +20,6 @@ use libfuzzer_sys::fuzz_target;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, OnceLock};
-use virtio_queue::desc::RawDescriptor;
 use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress};
 
@@ -79,21 +78,7 @@ fuzz_target!(|data: &[u8]| {
     while !inp.is_empty() {
         match inp.u8() % 6 {
             0 => scribble(&mem, &mut inp),
-            1 => {
-                let idx: u16 = mem.read_obj(GuestAddress(avail + 2)).unwrap_or(0);
-                let idx = idx.wrapping_add(u16::from(inp.u8()));
-                let _ = mem.write_obj(idx.to_le(), GuestAddress(avail + 2));
-            }
-            2 => {
-                let i = u64::from(inp.u16() % size);
-                let d = descriptor(&mut inp);
-                let _ = mem.write_obj(RawDescriptor::from(d), GuestAddress(table + i * 16));
-            }
-            3 => {
-                let pos = u64::from(inp.u16() % size);
-                let head = inp.u16();
-                let _ = mem.write_obj(head.to_le(), GuestAddress(avail + 4 + 2 * pos));
-            }
+            kind @ 1..=3 => driver_write(&mem, &mut inp, kind, (size, table, avail)),
             4 => {
                 let at = addr(&mut inp);
                 let kind = u32::from(inp.u8() % 10);

@@ -22,7 +22,6 @@ use amvm_devices::virtio::{Interrupt, InterruptStatus};
 use amvm_fuzz::*;
 use libfuzzer_sys::fuzz_target;
 use std::sync::Arc;
-use virtio_queue::desc::RawDescriptor;
 use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
@@ -61,21 +60,7 @@ fuzz_target!(|data: &[u8]| {
         let (size, table, avail) = rings[which];
         match inp.u8() % 8 {
             0 => scribble(&mem, &mut inp),
-            1 => {
-                let idx: u16 = mem.read_obj(GuestAddress(avail + 2)).unwrap_or(0);
-                let idx = idx.wrapping_add(u16::from(inp.u8()));
-                let _ = mem.write_obj(idx.to_le(), GuestAddress(avail + 2));
-            }
-            2 => {
-                let i = u64::from(inp.u16() % size);
-                let d = descriptor(&mut inp);
-                let _ = mem.write_obj(RawDescriptor::from(d), GuestAddress(table + i * 16));
-            }
-            3 => {
-                let pos = u64::from(inp.u16() % size);
-                let head = inp.u16();
-                let _ = mem.write_obj(head.to_le(), GuestAddress(avail + 4 + 2 * pos));
-            }
+            kind @ 1..=3 => driver_write(&mem, &mut inp, kind, (size, table, avail)),
             4 | 5 => relay.pass(),
             6 => {
                 let (_, s_avail, s_used) = ring_addresses(which);

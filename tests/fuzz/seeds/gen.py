@@ -418,12 +418,15 @@ def block():
 
     PASS = u8(5)
     bump = u8(1) + u8(1)
-    # Read sectors 2-3 into page 3 (1024 bytes), status in page 4.
-    read = (header(1, 0, 2) +
-            put_desc(0, desc(addr_page0(1), len_u8(16), F_NEXT, 1)) +
-            put_desc(1, desc(addr_page0(3), len_u16(1024), F_WRITE_NEXT, 2)) +
-            put_desc(2, desc(addr_page0(4), len_u8(1), F_WRITE)) +
-            put_avail(0, 0) + bump + PASS)
+    def read_two_sectors(sector):
+        # Sectors `sector` and the next into page 3 (1024 bytes), status in page 4.
+        return (header(1, 0, sector) +
+                put_desc(0, desc(addr_page0(1), len_u8(16), F_NEXT, 1)) +
+                put_desc(1, desc(addr_page0(3), len_u16(1024), F_WRITE_NEXT, 2)) +
+                put_desc(2, desc(addr_page0(4), len_u8(1), F_WRITE)) +
+                put_avail(0, 0) + bump + PASS)
+
+    read = read_two_sectors(2)
     get_id = (header(2, 8, 0) +
               put_desc(3, desc(addr_page0(2), len_u8(16), F_NEXT, 4)) +
               put_desc(4, desc(addr_page0(5), len_u8(20), F_WRITE_NEXT, 5)) +
@@ -434,11 +437,7 @@ def block():
              put_desc(1, desc(addr_page0(3), len_u16(512), F_NEXT, 2)) +
              put_desc(2, desc(addr_page0(4), len_u8(1), F_WRITE)) +
              put_avail(0, 0) + bump + PASS)
-    past_end = (header(1, 0, 63) +
-                put_desc(0, desc(addr_page0(1), len_u8(16), F_NEXT, 1)) +
-                put_desc(1, desc(addr_page0(3), len_u16(1024), F_WRITE_NEXT, 2)) +
-                put_desc(2, desc(addr_page0(4), len_u8(1), F_WRITE)) +
-                put_avail(0, 0) + bump + PASS)
+    past_end = read_two_sectors(63)
     return {
         "read": mem + queue + read,
         "read_then_id": mem + queue + read + get_id,

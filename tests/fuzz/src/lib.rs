@@ -747,3 +747,33 @@ pub fn script(s: &mut FakeStream, inp: &mut Input) {
         }
     }
 }
+
+/// A driver's write to its queue of `size` entries (descriptor table at `table`, available
+/// ring at `avail`): `kind` 1 bumps the available index (`delta: u8`), 2 writes a descriptor
+/// (`index: u16`, [`descriptor`]), 3 an available entry (`pos: u16`, `head: u16`); any other
+/// kind writes nothing. Writes outside RAM are skipped.
+pub fn driver_write(
+    mem: &GuestMemoryMmap,
+    inp: &mut Input,
+    kind: u8,
+    (size, table, avail): (u16, u64, u64),
+) {
+    match kind {
+        1 => {
+            let idx: u16 = mem.read_obj(GuestAddress(avail + 2)).unwrap_or(0);
+            let idx = idx.wrapping_add(u16::from(inp.u8()));
+            let _ = mem.write_obj(idx.to_le(), GuestAddress(avail + 2));
+        }
+        2 => {
+            let i = u64::from(inp.u16() % size);
+            let d = descriptor(inp);
+            let _ = mem.write_obj(RawDescriptor::from(d), GuestAddress(table + i * 16));
+        }
+        3 => {
+            let pos = u64::from(inp.u16() % size);
+            let head = inp.u16();
+            let _ = mem.write_obj(head.to_le(), GuestAddress(avail + 4 + 2 * pos));
+        }
+        _ => {}
+    }
+}
